@@ -1,0 +1,1 @@
+"""The rank processes: scheduler, KV blocks, model runner, MTP proposer, verifier, sampler."""

@@ -1,0 +1,1 @@
+"""The one definition of the engine -> HTTP wire format, its transports and readers (no paddle here)."""
