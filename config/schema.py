@@ -1,0 +1,101 @@
+"""The configuration tree: one frozen dataclass per section, one field per key.
+
+Each field's metadata carries its help text and its bounds; the loader (config/loader.py) validates
+against them once at start, and the CLI (daemon/cli.py) derives one flag per field from them, so a key
+is declared exactly once, here. Per-rank copies are made with dataclasses.replace, never by mutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def key(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+        choices: tuple[str, ...] | None = None, flag: str | None = None, secret: bool = False) -> Any:
+    """A config key: its default, help text, bounds and (optionally) a CLI flag name."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "flag": flag, "secret": secret}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = key("127.0.0.1", "address the HTTP API binds to (loopback unless told otherwise)")
+    port: int = key(8000, "TCP port of the HTTP API", min=1, max=65535)
+    api_key: str = key("", "when set, every route but /health requires `Authorization: Bearer <key>`",
+                       secret=True)
+    served_model_name: str = key("", "model name reported by /v1/models (default: the model dir's name)")
+    max_concurrent_requests: int = key(256, "requests in flight before new ones get 429", min=1)
+    max_body_bytes: int = key(1 << 20, "largest request body accepted; larger gets 413", min=1024)
+    max_top_logprobs: int = key(20, "largest top_logprobs / logprobs width a request may ask for",
+                                min=0, max=20)
+    drain_timeout: float = key(30.0, "seconds in-flight requests may run after SIGTERM", min=0.0)
+    engine_ready_timeout: float = key(600.0, "seconds to wait for the engine at start", min=1.0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = key("", "model directory (Hugging Face layout); empty: the bundled default model")
+    max_num_seqs: int = key(64, "requests decoded together at most", min=1, max=4096)
+    max_num_batched_tokens: int = key(2048, "tokens per step at most (prefill chunks included)",
+                                      min=16)
+    max_model_len: int = key(0, "context length limit; 0: the model's own", min=0)
+    block_size: int = key(16, "tokens per KV block", min=1, max=1024)
+    num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
+    kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
+    enable_overlap: bool = key(True, "schedule step N+1 while step N runs on the device")
+    dtype: str = key("float32", "compute dtype", choices=("float32", "bfloat16", "float16"))
+    seed: int = key(0, "seed for requests that give none", min=0)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = key(2, "MTP draft tokens per step; 0 turns speculation off",
+                                      min=0, max=8)
+    method: str = key("mtp", "draft source", choices=("mtp",), flag="--speculative-method")
+
+
+@dataclass(frozen=True)
+class IpcConfig:
+    transport: str = key("posix", "output-channel transport", choices=("posix", "sysv"),
+                         flag="--ipc-transport")
+    runtime_dir: str = key("", "directory for sockets and ownership records; empty: "
+                           "$RUNTIME_DIRECTORY, else /tmp/mtpserve-<uid>")
+    instance: str = key("", "instance name keying the IPC objects; empty: derived from the port")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = key(1, "rank processes sharding the model", min=1, max=64)
+    nnodes: int = key(1, "hosts the ranks span", min=1)
+    node_rank: int = key(0, "this host's index among nnodes", min=0)
+    master_addr: str = key("127.0.0.1", "address of rank 0's host for the collective runtime")
+    master_port: int = key(29500, "port of the collective runtime's rendezvous", min=1, max=65535)
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    role: str = key("mixed", "this instance's part in prefill/decode disaggregation",
+                    choices=("mixed", "prefill", "decode"))
+    transfer_protocol: str = key("tcp", "KV transfer transport", choices=("tcp", "rdma"))
+    kv_lease_timeout: float = key(30.0, "seconds a prefilled KV waits for its decode instance",
+                                  min=0.1)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = key("info", "log level", choices=("debug", "info", "warning", "error"),
+                     flag="--log-level")
+    format: str = key("auto", "auto: JSON lines unless stdout is a terminal",
+                      choices=("auto", "json", "console"), flag="--log-format")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    ipc: IpcConfig = field(default_factory=IpcConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pd: PdConfig = field(default_factory=PdConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
