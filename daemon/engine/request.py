@@ -1,0 +1,158 @@
+"""The engine-side request: what the client asked for and where the engine is with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens. Immutable once the request is admitted.
+
+    NOTE: `temperature == 0` means greedy; `top_k <= 0` and `top_p == 1` turn those filters off;
+    `seed is None` means the engine draws one at admission, so every row samples through the same
+    seeded path and a request's randomness never depends on its batch neighbours.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n
+
+    def __post_init__(self) -> None:
+        for problem in _sampling_problems(self):
+            raise ValueError(problem)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _sampling_problems(p: SamplingParams) -> list[str]:
+    checks = [
+        (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
+        (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
+        (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
+        (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
+        (-2.0 <= p.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+        (-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+        (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
+        (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be in [0, max_tokens]"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS,
+         f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+        (p.seed is None or 0 <= p.seed < 2**64, "seed must be in [0, 2**64)"),
+        (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids must be >= 0"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One generation request as the engine receives it (already tokenized and validated)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    RUNNING = "running"  # owns a device slot and KV blocks
+    FINISHED = "finished"
+
+
+class FinishReason(enum.IntEnum):
+    """Wire codes (fit in one byte); NONE means the request is still generating."""
+
+    NONE = 0
+    STOP = 1  # EOS or a stop token id
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3
+
+
+class Request:
+    """Mutable engine state of one request; owned by the scheduler.
+
+    Invariants (host view, updated when a step's results are collected):
+      * `num_kv_tokens` tokens have their KV written on the device; `num_inflight_tokens` more are
+        being written by launched steps (an upper bound for decode windows).
+      * While decoding, every token but the last emitted one has KV: `num_kv_tokens == num_tokens - 1`.
+      * `epoch` changes at each preemption, so results of steps launched before it are discarded.
+    """
+
+    def __init__(self, req: EngineRequest, arrival: int, seed: int) -> None:
+        self.request_id = req.request_id
+        self.prompt_ids = np.asarray(req.prompt_ids, dtype=np.int64)  # [P]
+        self.params = req.params
+        self.arrival = arrival
+        self.seed = seed
+        self.status = RequestStatus.WAITING
+        self.finish_reason = FinishReason.NONE
+        self.output_ids: list[int] = []
+        self.slot: int | None = None
+        self.block_ids: list[int] = []
+        self.epoch = 0
+        self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        self.prefill_ids = np.concatenate(
+            [self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])  # [P + O]
+        self.num_prefill_scheduled = 0
+        self.num_kv_tokens = 0
+        self.num_inflight_tokens = 0
+        self.num_inflight_steps = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return int(self.prefill_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.shape[0]) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefill_scheduled < self.num_prefill_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def preempt(self) -> None:
+        """Drop device state; the request recomputes prompt + outputs so far when readmitted."""
+        self.status = RequestStatus.WAITING
+        self.slot = None
+        self.block_ids = []
+        self.epoch += 1
+        self.num_preemptions += 1
+        self._reset_progress()
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

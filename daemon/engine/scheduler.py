@@ -1,0 +1,252 @@
+"""Continuous batching: which requests run in the next step, with how many tokens, in which KV blocks.
+
+Pure host policy, no device code. One call to `schedule()` plans one step:
+  1. running requests in arrival order (FCFS): a decode window of k+1 tokens each, or the next
+     prefill chunk; KV for the window is reserved on top of what launched steps may still write;
+  2. when KV runs out, the latest-arrived running request is preempted (recompute later) until the
+     earlier one fits; nobody is admitted in a step that preempted;
+  3. waiting requests in arrival order while a slot, token budget and KV blocks remain; the first
+     one that does not fit stops admission (no overtaking).
+Results come back through `commit()`, one step late when the engine overlaps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from mtpserve.engine.block_manager import BlockManager, blocks_for
+from mtpserve.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    num_speculative_tokens: int = 0
+    num_blocks: int = 1024
+    block_size: int = 16
+
+    @property
+    def decode_window(self) -> int:
+        return self.num_speculative_tokens + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One request's share of a step. Prefill rows carry host-known tokens; decode rows read theirs
+    (last token + drafts) from device state."""
+
+    request: Request
+    epoch: int
+    slot: int
+    is_prefill: bool
+    num_tokens: int  # prefill chunk length, or the k+1 upper bound of a decode window
+    start_pos: int  # first position of a prefill chunk (decode rows: device-resident)
+    emits: bool  # a decode window, or the last prefill chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWrite:
+    """Append `block_ids` to the device block table of `slot` starting at column `first_col`."""
+
+    slot: int
+    first_col: int
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulePlan:
+    rows: tuple[ScheduledRow, ...]
+    inserts: tuple[Request, ...]  # requests that take a device slot in this step
+    block_writes: tuple[BlockWrite, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.num_tokens for row in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclasses.dataclass
+class _PlanBuilder:
+    budget: int
+    rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
+    inserts: list[Request] = dataclasses.field(default_factory=list)
+    block_writes: list[BlockWrite] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    def build(self) -> SchedulePlan:
+        return SchedulePlan(tuple(self.rows), tuple(self.inserts), tuple(self.block_writes),
+                            tuple(self.preempted))
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # sorted by arrival
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._by_id: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- intake ---------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self._check_fits(request)
+        self._by_id[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request in any phase; returns it (finished, reason ABORT) or None if unknown."""
+        request = self._by_id.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulePlan:
+        plan = _PlanBuilder(budget=self.config.max_num_batched_tokens)
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING:
+                self._schedule_running(request, plan)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        return plan.build()
+
+    def _schedule_running(self, request: Request, plan: _PlanBuilder) -> None:
+        if self._is_surely_done(request):
+            return
+        num_tokens = self._num_new_tokens(request, plan.budget)
+        if num_tokens > 0 and self._reserve(request, num_tokens, plan):
+            self._add_row(request, num_tokens, plan)
+
+    def _admit_waiting(self, plan: _PlanBuilder) -> None:
+        while self.waiting and self._free_slots:
+            request = self.waiting[0]
+            num_tokens = self._num_new_tokens(request, plan.budget)
+            if num_tokens == 0 or not self.blocks.can_grow(request.block_ids, num_tokens):
+                return
+            self.waiting.popleft()
+            self._start(request)
+            plan.inserts.append(request)
+            self._grow(request, num_tokens, plan)
+            self._add_row(request, num_tokens, plan)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if not request.is_prefilling:
+            return self.config.decode_window if budget >= self.config.decode_window else 0
+        remaining = request.num_prefill_tokens - request.num_prefill_scheduled
+        return max(0, min(remaining, budget, self.config.max_prefill_chunk))
+
+    def _is_surely_done(self, request: Request) -> bool:
+        # NOTE: every launched emitting step yields at least one token unless the request stops, so
+        # once those reach max_tokens another window would only be discarded.
+        pending = len(request.output_ids) + request.num_inflight_steps
+        return not request.is_prefilling and pending >= request.params.max_tokens
+
+    def _reserve(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> bool:
+        """Make room for `num_tokens` more KV slots, preempting later arrivals; False if the request
+        itself had to be preempted."""
+        needed = request.num_kv_tokens + request.num_inflight_tokens + num_tokens
+        while not self.blocks.can_grow(request.block_ids, needed):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        self._grow(request, needed, plan)
+        return True
+
+    def _grow(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> None:
+        first_col = len(request.block_ids)
+        new = self.blocks.grow(request.block_ids, num_tokens)
+        if new:
+            plan.block_writes.append(BlockWrite(request.slot, first_col, tuple(new)))
+
+    def _add_row(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> None:
+        is_prefill = request.is_prefilling
+        start = request.num_prefill_scheduled
+        if is_prefill:
+            request.num_prefill_scheduled += num_tokens
+        emits = not request.is_prefilling
+        plan.rows.append(ScheduledRow(request, request.epoch, request.slot, is_prefill, num_tokens,
+                                      start, emits))
+        request.num_inflight_tokens += num_tokens
+        request.num_inflight_steps += int(emits)
+        plan.budget -= num_tokens
+
+    # ---- state changes --------------------------------------------------------------------------
+
+    def _start(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.slot = self._free_slots.pop()
+        keys = [r.arrival for r in self.running]
+        self.running.insert(bisect.bisect(keys, request.arrival), request)
+
+    def _preempt(self, request: Request, plan: _PlanBuilder) -> None:
+        self._release(request)
+        request.preempt()
+        self.num_preemptions += 1
+        plan.preempted.append(request)
+        keys = [r.arrival for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.arrival), request)
+
+    def _release(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._free_slots.append(request.slot)
+        self.blocks.free(request.block_ids)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.finish(reason)
+        del self._by_id[request.request_id]
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def is_current(self, row: ScheduledRow) -> bool:
+        """False for rows of requests that finished, were aborted or preempted since launch."""
+        return row.request.status is RequestStatus.RUNNING and row.epoch == row.request.epoch
+
+    def commit(self, row: ScheduledRow, token_ids: list[int], reason: FinishReason) -> None:
+        """Apply one current row's device result: its KV is written and `token_ids` emitted."""
+        request = row.request
+        request.num_inflight_tokens -= row.num_tokens
+        request.num_inflight_steps -= int(row.emits)
+        # NOTE: a decode window keeps KV for its input token plus each accepted draft, i.e. one
+        # slot per emitted token; a prefill chunk keeps all of its tokens.
+        request.num_kv_tokens += row.num_tokens if row.is_prefill else len(token_ids)
+        request.output_ids.extend(token_ids)
+        if reason is not FinishReason.NONE:
+            self._finish(request, reason)
+
+    def _check_fits(self, request: Request) -> None:
+        # NOTE: a lone request must always be able to run: prompt, all outputs, and the two decode
+        # windows that may be reserved while one is in flight.
+        longest = request.num_prefill_tokens + request.params.max_tokens + 2 * self.config.decode_window
+        if blocks_for(longest, self.config.block_size) > self.config.num_blocks:
+            raise ValueError(f"request {request.request_id} needs {longest} KV slots, the cache has "
+                             f"{self.config.num_blocks * self.config.block_size}")

@@ -1,0 +1,39 @@
+import pytest
+
+from mtpserve.engine.block_manager import BlockManager, blocks_for
+
+
+def test_blocks_for_rounds_up():
+    assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_grow_and_free_return_to_baseline():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = [], []
+    assert bm.grow(a, 5) == a and len(a) == 2
+    assert bm.grow(a, 8) == []  # already covered
+    bm.grow(b, 13)
+    assert len(b) == 4 and bm.num_free_blocks == 4
+    assert not set(a) & set(b)
+    bm.free(a)
+    bm.free(b)
+    assert a == [] and b == [] and bm.num_free_blocks == 10 and bm.num_used_blocks == 0
+
+
+def test_grow_beyond_capacity_raises_and_takes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    table: list[int] = []
+    assert not bm.can_grow(table, 13)
+    with pytest.raises(MemoryError):
+        bm.grow(table, 13)
+    assert table == [] and bm.num_free_blocks == 3
+
+
+def test_double_free_is_detected():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    table: list[int] = []
+    bm.grow(table, 4)
+    copy = list(table)
+    bm.free(table)
+    with pytest.raises(ValueError):
+        bm.free(copy)

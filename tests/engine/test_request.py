@@ -1,0 +1,27 @@
+import pytest
+
+from mtpserve.engine.request import EngineRequest, Request, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"min_p": 2.0}, {"max_tokens": 0},
+    {"min_tokens": 5, "max_tokens": 4}, {"logprobs": 21}, {"repetition_penalty": 0.0},
+    {"presence_penalty": 3.0}, {"stop_token_ids": (-1,)}, {"seed": -1},
+])
+def test_invalid_sampling_params_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_empty_prompt_is_rejected():
+    with pytest.raises(ValueError):
+        EngineRequest("r", ())
+
+
+def test_preempt_recomputes_prompt_plus_outputs():
+    req = Request(EngineRequest("r", (1, 2, 3)), arrival=0, seed=7)
+    req.output_ids.extend([9, 8])
+    req.num_kv_tokens = 4
+    req.preempt()
+    assert req.prefill_ids.tolist() == [1, 2, 3, 9, 8]
+    assert req.num_kv_tokens == 0 and req.epoch == 1 and req.is_prefilling
