@@ -1,0 +1,134 @@
+"""One choice of one HTTP request = one engine request: its text, tokens, logprobs and timings.
+
+`apply` takes the deltas that arrived since the last call (coalesced: a slow client gets fewer,
+larger chunks) and returns what to send. A stop string cuts the tokens after the one that completed
+it, so logprob entries and usage always count the same tokens the text came from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from mtpserve.server.detokenizer import IncrementalDetokenizer
+from mtpserve.server.errors import ApiError
+from mtpserve.server.metrics import ServerMetrics
+from mtpserve.server.outputs import TokenDelta
+from mtpserve.server.stop_strings import StopStringMatcher
+
+
+class ChoiceUpdate(NamedTuple):
+    index: int
+    text: str
+    token_ids: list[int]  # [T] tokens this update accounts for
+    logprobs: list[float] | None  # [T]
+    top_ids: list[list[int]] | None  # [T][K]
+    top_logprobs: list[list[float]] | None  # [T][K]
+    finish_reason: str | None
+
+
+class Timed(NamedTuple):
+    arrived: float  # time.monotonic() when the output reader handed the delta over
+    delta: TokenDelta
+
+
+class ChoiceState:
+    def __init__(self, index: int, engine_id: int, detokenizer: IncrementalDetokenizer,
+                 stops: list[str], top_width: int, metrics: ServerMetrics, arrival: float) -> None:
+        self.index, self.engine_id = index, engine_id
+        self._detok, self._stop = detokenizer, StopStringMatcher(stops)
+        self._top_width, self._metrics = top_width, metrics
+        self.arrival = arrival  # time.monotonic() at HTTP arrival
+        self.first_token_at: float | None = None
+        self._last_at = arrival
+        self.num_tokens = 0
+        self.num_steps = 0  # engine outputs seen (prefill + each decode step)
+        self.num_generated = 0  # tokens the engine sent, including any cut by a stop string
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, items: list[Timed]) -> ChoiceUpdate | None:
+        if self.finished or not items:
+            return None
+        self._observe_timing(items)
+        merged = _merge([item.delta for item in items])
+        if merged.finish_reason == "error":
+            self._finish("abort")
+            raise ApiError(500, "The engine failed while generating this request.", code="engine_error")
+        text, keep = self._text_and_kept(merged.token_ids)
+        finish = "stop" if self._stop.hit else merged.finish_reason
+        if finish is not None and not self._stop.hit:
+            text += self._stop.feed(self._detok.flush()) + self._stop.flush()
+        self.num_tokens += keep
+        if finish is not None:
+            self._finish(finish)
+        return self._update(merged, text, keep, finish)
+
+    def abort(self) -> None:
+        """The HTTP side gave up on this choice (client gone, stream error)."""
+        if not self.finished:
+            self._finish("abort")
+
+    def _text_and_kept(self, token_ids: list[int]) -> tuple[str, int]:
+        mark = self._detok.mark()
+        shown = self._stop.feed(self._detok.push(token_ids))
+        if self._stop.hit is None:
+            return shown, len(token_ids)
+        self.stopped_by_string = True
+        self._detok.rewind(mark)
+        return shown, _tokens_through(self._detok.push_each(token_ids), self._stop.hit.end_in_fed)
+
+    def _update(self, merged: TokenDelta, text: str, keep: int, finish: str | None) -> ChoiceUpdate:
+        width = self._top_width
+        top_ids = [row[:width] for row in merged.top_ids[:keep]] if merged.top_ids is not None else None
+        top_lps = [row[:width] for row in merged.top_logprobs[:keep]] if merged.top_logprobs is not None else None
+        logprobs = merged.logprobs[:keep] if merged.logprobs is not None else None
+        return ChoiceUpdate(self.index, text, merged.token_ids[:keep], logprobs, top_ids, top_lps, finish)
+
+    def _observe_timing(self, items: list[Timed]) -> None:
+        for item in items:  # NOTE: one item per engine step, not per token
+            if self.first_token_at is None:
+                self.first_token_at = item.arrived
+                self._metrics.ttft.observe(item.arrived - self.arrival)
+            else:
+                self._metrics.itl.observe(item.arrived - self._last_at)
+            self._last_at = item.arrived
+            self.num_steps += 1
+            self.num_generated += len(item.delta.token_ids)
+            self._metrics.generation_tokens.inc(len(item.delta.token_ids))
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        now = time.monotonic()
+        self._metrics.e2e.observe(now - self.arrival)
+        if self.first_token_at is not None and self.num_tokens > 1:
+            self._metrics.tpot.observe((self._last_at - self.first_token_at) / (self.num_tokens - 1))
+        self._metrics.finished(reason)
+
+
+def _merge(deltas: list[TokenDelta]) -> TokenDelta:
+    if len(deltas) == 1:
+        return deltas[0]
+    first = deltas[0]
+    return TokenDelta(
+        first.request_id,
+        [t for d in deltas for t in d.token_ids],
+        None if first.logprobs is None else [x for d in deltas for x in d.logprobs or ()],
+        None if first.top_ids is None else [r for d in deltas for r in d.top_ids or ()],
+        None if first.top_logprobs is None else [r for d in deltas for r in d.top_logprobs or ()],
+        next((d.finish_reason for d in deltas if d.finish_reason is not None), None),
+    )
+
+
+def _tokens_through(texts: list[str], end: int) -> int:
+    """How many tokens it takes for their texts to reach `end` characters (at least one)."""
+    total = 0
+    for count, text in enumerate(texts, start=1):
+        total += len(text)
+        if total >= end:
+            return count
+    return len(texts)

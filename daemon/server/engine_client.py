@@ -1,0 +1,152 @@
+"""The HTTP process's handle on the engine: submit (with the 429 limit), release (abort), and the two
+loops that feed the tracker: control messages from the request channel, deltas from the output path.
+
+Request path: route -> `submit` -> AddRequest per choice -> engine -> output path -> `_output_loop`
+-> Tracker.dispatch -> RequestStream -> route (`next_updates`) -> `release` (AbortRequest if needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from typing import NamedTuple
+
+import msgspec
+
+from mtpserve.ipc.request_channel import (
+    AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, RequestChannelClient, RequestFailed,
+    SamplingParams,
+)
+from mtpserve.server.choice import ChoiceState, ChoiceUpdate
+from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
+from mtpserve.server.errors import ApiError
+from mtpserve.server.health import EngineHealth
+from mtpserve.server.metrics import ServerMetrics
+from mtpserve.server.outputs import OutputClosed, OutputSource
+from mtpserve.server.tracker import RequestStream, Tracker
+
+
+class GenerateRequest(NamedTuple):
+    prompts: list[list[int]]  # one token list per prompt
+    params: SamplingParams
+    n: int
+    stops: list[str]
+    arrival: float  # time.monotonic() when the HTTP request arrived
+
+
+class EngineClient:
+    def __init__(self, channel: RequestChannelClient, output: OutputSource, ready: EngineReady,
+                 decoder: Decoder, metrics: ServerMetrics, health: EngineHealth, max_active: int) -> None:
+        self.ready = ready
+        self._channel, self._output = channel, output
+        self._decoder, self._metrics, self.health = decoder, metrics, health
+        self._max_active = max_active
+        self.tracker = Tracker()
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.health.ready()
+        self._tasks = [asyncio.create_task(self._control_loop(), name="engine-control"),
+                       asyncio.create_task(self._output_loop(), name="engine-output")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._output.close()
+        await self._channel.close()
+
+    def submit(self, req: GenerateRequest) -> RequestStream:
+        """Register the choices and send them to the engine; 503 when not serving, 429 when full."""
+        num_choices = len(req.prompts) * req.n
+        self._check_admission(num_choices)
+        stream = RequestStream(self._make_choices(req), [len(p) for p in req.prompts])
+        self.tracker.register(stream)
+        try:
+            for choice in stream.choices:
+                prompt = req.prompts[choice.index // req.n]
+                self._channel.send(AddRequest(request_id=choice.engine_id, prompt_token_ids=prompt,
+                                              sampling=_params_for(req.params, choice.index % req.n),
+                                              arrival_time=time.time()))
+        except ChannelClosed:
+            self.tracker.unregister(stream)
+            raise ApiError(503, "The engine is not available.", code="engine_unavailable") from None
+        self._metrics.prompt_tokens.inc(sum(map(len, req.prompts)) * req.n)
+        self._metrics.http_active.set(self.tracker.num_active)
+        return stream
+
+    async def next_updates(self, stream: RequestStream) -> list[ChoiceUpdate]:
+        updates = await stream.next_updates()
+        stopped = [stream.choices[u.index].engine_id for u in updates
+                   if u.finish_reason == "stop" and stream.choices[u.index].stopped_by_string]
+        if stopped:
+            self._send_abort(stopped)  # NOTE: a stop string ends the request in the engine too
+        return updates
+
+    def release(self, stream: RequestStream) -> None:
+        """Forget the stream; abort what the engine may still be running (client gone, error, stop)."""
+        to_abort = [c.engine_id for c in stream.choices if not c.finished]
+        for choice in stream.choices:
+            choice.abort()
+        self.tracker.unregister(stream)
+        self._metrics.http_active.set(self.tracker.num_active)
+        if to_abort:
+            self._send_abort(to_abort)
+
+    def _send_abort(self, engine_ids: list[int]) -> None:
+        with contextlib.suppress(ChannelClosed):
+            self._channel.send(AbortRequest(request_ids=engine_ids))
+
+    def _check_admission(self, num_choices: int) -> None:
+        problem = None if self.health.accepting else self.health.reason
+        if problem is not None:
+            self._metrics.reject(503)
+            raise ApiError(503, f"The server is not accepting requests ({problem}).", code="unavailable")
+        if self.tracker.num_active + num_choices > self._max_active:
+            self._metrics.reject(429)
+            raise ApiError(429, f"Too many requests in flight (limit {self._max_active}); retry later.",
+                           code="rate_limit_exceeded")
+
+    def _make_choices(self, req: GenerateRequest) -> list[ChoiceState]:
+        width = req.params.top_logprobs
+        return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder), req.stops, width,
+                            self._metrics, req.arrival)
+                for index in range(len(req.prompts) * req.n)]
+
+    async def _control_loop(self) -> None:
+        try:
+            while True:
+                self._on_control(await self._channel.recv())
+        except (ChannelClosed, msgspec.DecodeError) as exc:
+            self._engine_gone(f"request channel closed ({exc})")
+
+    def _on_control(self, msg: EngineReady | EngineStats | RequestFailed) -> None:
+        if isinstance(msg, EngineStats):
+            self._metrics.observe_engine_stats(msg)
+            self.health.heard(msg)
+        elif isinstance(msg, RequestFailed):
+            self.tracker.fail(msg.request_id, ApiError(500, f"The engine failed the request: {msg.message}",
+                                                       code="engine_error"))
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self.tracker.dispatch(await self._output.next_batch())
+        except OutputClosed as exc:
+            self._engine_gone(f"output path closed ({exc})")
+
+    def _engine_gone(self, reason: str) -> None:
+        self.health.dead(reason)
+        self.tracker.fail_all(ApiError(503, f"The engine stopped: {reason}", code="engine_dead"))
+
+
+def _params_for(params: SamplingParams, sample_index: int) -> SamplingParams:
+    """Choice i of n gets seed + i, so n seeded samples differ yet stay reproducible."""
+    if params.seed is None or sample_index == 0:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + sample_index)

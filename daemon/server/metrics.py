@@ -1,0 +1,90 @@
+"""Prometheus metrics, named as vLLM names them where vLLM has the metric (dashboards carry over).
+
+One CollectorRegistry per app (tests run several apps in one process). Engine-side counters arrive
+cumulative in EngineStats; `observe_engine_stats` turns them into counter increments.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mtpserve.ipc.request_channel import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        self._init_requests()
+        self._init_engine()
+        self._last_stats: EngineStats | None = None
+
+    def _labels(self) -> list[str]:
+        return ["model_name"]
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, [*self._labels(), *extra], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self._labels(), registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, self._labels(), buckets=buckets, registry=self.registry)
+
+    def _init_requests(self) -> None:
+        m = self._model
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(m)
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens.").labels(m)
+        self.request_success = self._counter("vllm:request_success", "Finished requests.", ("finished_reason",))
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                                    _LATENCY_BUCKETS).labels(m)
+        self.itl = self._histogram("vllm:inter_token_latency_seconds",
+                                   "Time between engine outputs of a request (one per step).", _ITL_BUCKETS).labels(m)
+        self.tpot = self._histogram("vllm:request_time_per_output_token_seconds",
+                                    "Per request: decode time / (output tokens - 1).", _ITL_BUCKETS).labels(m)
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                                   _LATENCY_BUCKETS).labels(m)
+        self.rejected = self._counter("mtpserve:http_requests_rejected", "Requests refused before the engine.",
+                                      ("status",))
+
+    def _init_engine(self) -> None:
+        m = self._model
+        self.running = self._gauge("vllm:num_requests_running", "Requests in the running batch.").labels(m)
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting for admission.").labels(m)
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).").labels(m)
+        self.kv_blocks_used = self._gauge("mtpserve:kv_blocks_used", "KV blocks in use.").labels(m)
+        self.num_drafts = self._counter("vllm:spec_decode_num_drafts", "Draft rounds.").labels(m)
+        self.num_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.").labels(m)
+        self.num_accepted = self._counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafts.").labels(m)
+        self.accepted_per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                              "Accepted drafts by draft position.", ("position",))
+        self.http_active = self._gauge("mtpserve:http_requests_active", "Engine requests in flight.").labels(m)
+
+    def observe_engine_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_blocks_used.set(stats.num_kv_blocks_used)
+        self.kv_usage.set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
+        last = self._last_stats or EngineStats(step_id=0, num_running=0, num_waiting=0,
+                                               num_kv_blocks_used=0, num_kv_blocks_total=0)
+        self.num_drafts.inc(max(stats.num_drafts - last.num_drafts, 0))
+        self.num_draft_tokens.inc(max(stats.num_draft_tokens - last.num_draft_tokens, 0))
+        self.num_accepted.inc(max(stats.num_accepted_tokens - last.num_accepted_tokens, 0))
+        for pos, total in enumerate(stats.num_accepted_per_pos):
+            before = last.num_accepted_per_pos[pos] if pos < len(last.num_accepted_per_pos) else 0
+            self.accepted_per_pos.labels(self._model, str(pos)).inc(max(total - before, 0))
+        self._last_stats = stats
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self._model, reason).inc()
+
+    def reject(self, status: int) -> None:
+        self.rejected.labels(self._model, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

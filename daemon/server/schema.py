@@ -1,0 +1,98 @@
+"""Request bodies as msgspec Structs, in OpenAI's field names plus vLLM's sampling extensions.
+
+Decoding checks types (a wrong type is a 400 naming the field); value ranges are checked by
+sampling.py, which also turns a body into the engine's SamplingParams.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from mtpserve.server.errors import from_decode_error
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to completions and chat (unknown extra fields are ignored, as OpenAI does)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+# NOTE: msgspec allows one array type per union, so list shapes are told apart in sampling.py.
+PromptField = Union[str, list[Union[str, int, list[int]]]]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: PromptField
+    logprobs: int | None = None
+    echo: bool | None = None
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
+    """JSON bytes -> Struct; any failure becomes a 400 (a top-level array included)."""
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+
+
+def message_text(message: ChatMessage) -> str:
+    """Text of a message whose content may be a list of parts (only text parts are served)."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(part.text or "" for part in message.content if part.type == "text")

@@ -1,0 +1,89 @@
+"""Per-request streams: the output reader dispatches engine deltas in, route handlers pull updates out.
+
+One `RequestStream` per HTTP request holds its choices (n fan-out, several prompts): every choice
+is its own engine request, and all of them feed the stream's one queue, so a handler waits on a
+single queue whatever n is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from mtpserve.server.choice import ChoiceState, ChoiceUpdate, Timed
+from mtpserve.server.errors import ApiError
+from mtpserve.server.outputs import TokenDelta
+
+
+class RequestStream:
+    def __init__(self, choices: list[ChoiceState], num_prompt_tokens: list[int]) -> None:
+        self.choices = choices
+        self.by_engine_id = {c.engine_id: c for c in choices}
+        self.num_prompt_tokens = num_prompt_tokens  # [num_prompts]
+        self._queue: asyncio.Queue[Timed | ApiError] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def put(self, item: Timed | ApiError) -> None:
+        self._queue.put_nowait(item)
+
+    async def next_updates(self) -> list[ChoiceUpdate]:
+        """Wait for at least one delta, then take everything queued; a failure raises its ApiError."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return self._apply(items)
+
+    def _apply(self, items: list[Timed | ApiError]) -> list[ChoiceUpdate]:
+        failure = next((i for i in items if isinstance(i, ApiError)), None)
+        if failure is not None:
+            raise failure
+        grouped: dict[int, list[Timed]] = {}
+        for item in items:
+            grouped.setdefault(item.delta.request_id, []).append(item)
+        updates = [self.by_engine_id[rid].apply(group) for rid, group in grouped.items()]
+        return sorted((u for u in updates if u is not None), key=lambda u: u.index)
+
+    def engine_ids_to_abort(self) -> list[int]:
+        """Choices the engine may still be running: unfinished ones and those cut by a stop string."""
+        return [c.engine_id for c in self.choices if not c.finished or c.stopped_by_string]
+
+    def num_steps(self) -> int:
+        return sum(c.num_steps for c in self.choices)
+
+
+class Tracker:
+    """engine request id -> stream. Deltas for unknown ids (already released) are dropped."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, RequestStream] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    def register(self, stream: RequestStream) -> None:
+        for engine_id in stream.by_engine_id:
+            self._streams[engine_id] = stream
+
+    def unregister(self, stream: RequestStream) -> None:
+        for engine_id in stream.by_engine_id:
+            self._streams.pop(engine_id, None)
+
+    def dispatch(self, batch: list[TokenDelta]) -> None:
+        now = time.monotonic()
+        for delta in batch:  # NOTE: one entry per request per step, never per token
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.put(Timed(now, delta))
+
+    def fail(self, engine_id: int, error: ApiError) -> None:
+        stream = self._streams.get(engine_id)
+        if stream is not None:
+            stream.put(error)
+
+    def fail_all(self, error: ApiError) -> None:
+        for stream in set(self._streams.values()):
+            stream.put(error)
