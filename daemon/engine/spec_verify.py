@@ -1,0 +1,99 @@
+"""Verify k draft tokens against one target pass (Leviathan et al. 2023, "Fast inference from
+transformers via speculative decoding", Algorithm 1), batched over requests.
+
+Row b holds the target distributions p_0..p_k for the k+1 positions of its window (p_j decides the
+token after draft j-1; p_k is the bonus position) and the drafts d_1..d_k drawn from q_1..q_k.
+  * Temperature 0: accept d_j while it equals the target argmax; emit the argmax at the first
+    mismatch (or the bonus argmax). The output is exactly plain greedy decoding.
+  * Temperature > 0: accept d_j with probability min(1, p(d_j) / q(d_j)); at the first rejection emit a
+    draw from normalise(max(p - q, 0)); if all k are accepted emit a bonus draw from p_k. The emitted
+    tokens are distributed exactly as sampling from p alone. MTP drafts are argmax, so q is one-hot
+    (`draft_probs=None`): acceptance is p(d_j) and the residual is p with d_j removed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import paddle
+
+from mtpserve.engine.sampler import draw
+
+
+class VerifyResult(NamedTuple):
+    token_ids: paddle.Tensor  # [B, k+1] int64: accepted drafts, then the recovered/bonus token, then -1
+    num_emitted: paddle.Tensor  # [B] int64 = num_accepted + 1
+    num_accepted: paddle.Tensor  # [B] int64
+
+
+def accept_coins(p_draft: paddle.Tensor, q_draft: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
+    """Accept with probability min(1, p/q): u < p/q, written u*q < p to avoid dividing. [B, k] bool."""
+    return u * q_draft < p_draft
+
+
+def accepted_prefix(accept: paddle.Tensor) -> paddle.Tensor:
+    """Length of the leading run of accepted drafts. accept: [B, k] bool -> [B] int64."""
+    return paddle.cumprod(accept.astype("int64"), dim=1).sum(axis=1)
+
+
+def residual(p: paddle.Tensor, q: paddle.Tensor | None, draft_ids: paddle.Tensor) -> paddle.Tensor:
+    """max(p - q, 0) per draft position (unnormalised). p: [B, k, V], q: [B, k, V] or None (one-hot).
+
+    NOTE: when p == q the residual is all zero, but then rejection has probability 0; fall back to p so
+    the (never used) draw stays defined.
+    """
+    if q is None:
+        idx = draft_ids.unsqueeze(-1)  # [B, k, 1]
+        res = paddle.put_along_axis(p, idx, paddle.zeros_like(idx, dtype=p.dtype), axis=2,
+                                    reduce="assign")
+    else:
+        res = paddle.clip(p - q, min=0.0)
+    empty = (res.sum(axis=-1, keepdim=True) <= 0)
+    return paddle.where(empty, p, res)
+
+
+def emit(candidates: paddle.Tensor, draft_ids: paddle.Tensor, num_accepted: paddle.Tensor
+         ) -> VerifyResult:
+    """Assemble [d_1..d_n, candidates[n], -1...]. candidates: [B, k+1], draft_ids: [B, k]."""
+    k = draft_ids.shape[1]
+    final = paddle.take_along_axis(candidates, num_accepted.unsqueeze(-1), axis=1)  # [B, 1]
+    padded = paddle.concat([draft_ids, final], axis=1)  # [B, k+1]
+    col = paddle.arange(k + 1, dtype="int64").unsqueeze(0)  # [1, k+1]
+    n = num_accepted.unsqueeze(-1)
+    tokens = paddle.where(col < n, padded, paddle.where(col == n, final.expand_as(padded),
+                                                        paddle.full_like(padded, -1)))
+    return VerifyResult(tokens, num_accepted + 1, num_accepted)
+
+
+def verify_greedy(target_ids: paddle.Tensor, draft_ids: paddle.Tensor) -> VerifyResult:
+    """target_ids: [B, k+1] argmax per position; draft_ids: [B, k]."""
+    k = draft_ids.shape[1]
+    n = accepted_prefix(draft_ids == target_ids[:, :k])
+    return emit(target_ids, draft_ids, n)
+
+
+def verify_sampled(probs: paddle.Tensor, draft_ids: paddle.Tensor, draft_probs: paddle.Tensor | None,
+                   u_accept: paddle.Tensor, u_sample: paddle.Tensor) -> VerifyResult:
+    """probs: [B, k+1, V] processed target distributions; draft_ids: [B, k]; draft_probs: [B, k, V]
+    or None for one-hot drafts; u_accept: [B, k], u_sample: [B, k+1] uniforms in (0, 1)."""
+    k = draft_ids.shape[1]
+    p_draft = paddle.take_along_axis(probs[:, :k], draft_ids.unsqueeze(-1), axis=2).squeeze(-1)
+    if draft_probs is None:
+        q_draft = paddle.ones_like(p_draft)
+    else:
+        q_draft = paddle.take_along_axis(draft_probs, draft_ids.unsqueeze(-1), axis=2).squeeze(-1)
+    n = accepted_prefix(accept_coins(p_draft, q_draft, u_accept))
+    recovered = draw(residual(probs[:, :k], draft_probs, draft_ids), u_sample[:, :k])  # [B, k]
+    bonus = draw(probs[:, k], u_sample[:, k]).unsqueeze(-1)  # [B, 1]
+    return emit(paddle.concat([recovered, bonus], axis=1), draft_ids, n)
+
+
+def verify(probs: paddle.Tensor, target_ids: paddle.Tensor, draft_ids: paddle.Tensor,
+           draft_probs: paddle.Tensor | None, u_accept: paddle.Tensor, u_sample: paddle.Tensor,
+           temperature: paddle.Tensor) -> VerifyResult:
+    """Greedy rows (temperature [B] == 0) verify by argmax, the others by rejection sampling."""
+    greedy = verify_greedy(target_ids, draft_ids)
+    sampled = verify_sampled(probs, draft_ids, draft_probs, u_accept, u_sample)
+    is_greedy = temperature <= 0
+    pick = lambda a, b: paddle.where(is_greedy.reshape([-1] + [1] * (a.ndim - 1)), a, b)  # noqa: E731
+    return VerifyResult(*(pick(g, s) for g, s in zip(greedy, sampled)))
