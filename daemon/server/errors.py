@@ -12,6 +12,7 @@ from http import HTTPStatus
 import msgspec
 
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
 class ApiError(Exception):
@@ -55,6 +56,8 @@ def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
         return bad_request(f"Malformed JSON body: {text}", None, "invalid_json")
-    match = _MSGSPEC_PATH.search(text)
-    param = match.group(1) if match else None
-    return bad_request(_MSGSPEC_PATH.sub("", text), param or None, "invalid_type")
+    match, missing = _MSGSPEC_PATH.search(text), _MISSING_FIELD.search(text)
+    param = match.group(1) if match else ""
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return bad_request(_MSGSPEC_PATH.sub("", text), param or None, "missing_field" if missing else "invalid_type")

@@ -63,3 +63,77 @@ async def no_loop_blocking():
     stop = True
     await task
     assert worst[0] < 0.25, f"event loop blocked for {worst[0]:.3f}s"
+
+
+# --- an HTTP app against the fake engine process -------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import aiohttp  # noqa: E402
+from aiohttp.test_utils import TestServer  # noqa: E402
+
+from fake_output import FakeOutputSource  # noqa: E402
+from mtpserve.server.app import make_app  # noqa: E402
+from mtpserve.server.context import HttpSettings  # noqa: E402
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+MODEL_NAME = "tiny-test"
+
+
+def start_fake_engine(runtime_dir: Path, vocab_size: int, *extra: str) -> subprocess.Popen:
+    runtime_dir.mkdir(mode=0o700, exist_ok=True)
+    return subprocess.Popen([sys.executable, str(FAKE_ENGINE), str(runtime_dir), "--vocab-size", str(vocab_size),
+                             *extra], cwd=FAKE_ENGINE.parent)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def open_fake_output(ready):
+    return await FakeOutputSource.open(ready.output_channel)
+
+
+async def wait_healthy(base_url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(f"{base_url}/health") as resp:
+                if resp.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise TimeoutError("server never became healthy")
+
+
+@pytest.fixture
+def engine_args() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def settings() -> HttpSettings:
+    return HttpSettings(model_name=MODEL_NAME, max_concurrent_requests=128, max_body_bytes=64 * 1024)
+
+
+@pytest.fixture
+async def fake_server(tmp_path, text_model, settings, engine_args):
+    """(base_url, app) of an HTTP app connected to a fake engine process; both stopped afterwards."""
+    runtime_dir = tmp_path / "rt"
+    proc = start_fake_engine(runtime_dir, text_model.vocab_size, *engine_args)
+    app = make_app(settings, text_model, runtime_dir, open_fake_output)
+    server = TestServer(app, handler_cancellation=True)
+    await server.start_server()
+    base_url = str(server.make_url("")).rstrip("/")
+    try:
+        await wait_healthy(base_url)
+        yield base_url, app
+    finally:
+        await server.close()
+        stop_process(proc)

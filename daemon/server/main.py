@@ -1,0 +1,70 @@
+"""The HTTP process: `python -m mtpserve.server.main <runtime_dir>/config.json`.
+
+The launcher writes the validated configuration into the instance's runtime directory (0700) and
+starts this process with its path; the request channel's socket lives in the same directory.
+1. read the config, 2. load the tokenizer and chat template (no paddle), 3. build the app,
+4. serve on uvloop until SIGTERM, then drain in-flight requests for `server.drain_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import msgspec
+import uvloop
+from aiohttp import web
+
+from mtpserve.config import Config
+from mtpserve.server.app import OpenOutput, make_app
+from mtpserve.server.context import HttpSettings
+from mtpserve.server.text_model import TextModel
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "default_model"
+
+
+def model_dir(config: Config) -> Path:
+    return Path(config.engine.model) if config.engine.model else BUNDLED_MODEL
+
+
+def settings_from(config: Config) -> HttpSettings:
+    s = config.server
+    return HttpSettings(
+        model_name=s.served_model_name or model_dir(config).resolve().name, api_key=s.api_key,
+        max_concurrent_requests=s.max_concurrent_requests, max_body_bytes=s.max_body_bytes,
+        max_top_logprobs=s.max_top_logprobs, engine_ready_timeout=s.engine_ready_timeout)
+
+
+def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:
+    """Serve until SIGTERM/SIGINT (aiohttp's GracefulExit), then drain and return 0."""
+    _configure_logging(config)
+    app = make_app(settings_from(config), TextModel.from_dir(model_dir(config)), runtime_dir, open_output)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    web.run_app(app, host=config.server.host, port=config.server.port, print=None,
+                shutdown_timeout=config.server.drain_timeout, handler_cancellation=True,
+                access_log=None)
+    return 0
+
+
+def _configure_logging(config: Config) -> None:
+    try:
+        from mtpserve import log
+    except ImportError:  # NOTE: the lead's logging module; plain structlog defaults without it
+        return
+    log.configure(config.logging.level, config.logging.format, process="http")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpserve.server.main", description=__doc__.split("\n")[0])
+    parser.add_argument("config", type=Path, help="config.json written by the launcher into the runtime dir")
+    args = parser.parse_args(argv)
+    config = msgspec.json.decode(args.config.read_bytes(), type=Config)
+    from mtpserve.server.output_reader import open_output
+
+    return run(config, args.config.resolve().parent, open_output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

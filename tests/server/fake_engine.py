@@ -1,0 +1,164 @@
+"""A fake engine process for the HTTP process's end-to-end tests, before the real engine exists.
+
+It speaks the real request channel (ipc/request_channel.py) and writes outputs through an output
+sink (fake_output.py). Generation is deterministic and checkable: output token i of a request is
+prompt[i % len(prompt)]; the first step emits one token (prefill), later steps 1..k+1 tokens (a
+fixed pattern standing in for MTP acceptance); logprobs are a function of the token id, with a
+descending top-k whose first entry is the sampled token. KV blocks are accounted per request, so
+tests can watch them return to idle after aborts.
+
+Usage: python fake_engine.py RUNTIME_DIR [--vocab-size V] [--max-model-len L] [--k K] [--step-ms MS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvloop
+
+from mtpserve.ipc.request_channel import (
+    AbortRequest, AddRequest, EngineReady, EngineStats, RequestChannelServer, SamplingParams,
+)
+from fake_output import FakeOutputSink, OutputRecord
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096
+
+
+def fake_logprob(token_id: int) -> float:
+    return -0.05 * (1 + token_id % 11)
+
+
+def fake_top(token_id: int, width: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """Sampled token first, then its successors with strictly lower logprobs."""
+    ids = [(token_id + j) % vocab_size for j in range(width)]
+    return ids, [fake_logprob(token_id) - 0.5 * j for j in range(width)]
+
+
+@dataclass
+class FakeRequest:
+    add: AddRequest
+    generated: list[int] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.add.sampling
+
+    def num_blocks(self) -> int:
+        return math.ceil((len(self.add.prompt_token_ids) + len(self.generated)) / BLOCK_SIZE)
+
+
+class FakeEngine:
+    def __init__(self, server: RequestChannelServer, sink: FakeOutputSink, args: argparse.Namespace) -> None:
+        self.server, self.sink, self.args = server, sink, args
+        self.running: dict[int, FakeRequest] = {}
+        self.step_id = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
+        self.accepted_per_pos = [0] * args.k
+
+    async def run(self) -> None:
+        last_stats = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            self.intake()
+            if self.running:
+                await self.sink.send(self.step())
+            if loop.time() - last_stats > 0.05:
+                self.server.send(self.stats())
+                last_stats = loop.time()
+            await asyncio.sleep(self.args.step_ms / 1000 if self.running else 0.005)
+
+    def intake(self) -> None:
+        for msg in self.server.poll():
+            if isinstance(msg, AddRequest):
+                self.running[msg.request_id] = FakeRequest(msg)
+            elif isinstance(msg, AbortRequest):
+                for rid in msg.request_ids:
+                    self.running.pop(rid, None)
+
+    def step(self) -> list[OutputRecord]:
+        self.step_id += 1
+        records = [self._advance(req) for req in self.running.values()]
+        for record in records:
+            if record.finish_reason is not None:
+                del self.running[record.request_id]
+        return records
+
+    def _advance(self, req: FakeRequest) -> OutputRecord:
+        want = 1 if req.steps == 0 else 1 + (req.add.request_id + req.steps) % (self.args.k + 1)
+        if req.steps > 0 and self.args.k:
+            self._count_spec(want - 1)
+        req.steps += 1
+        prompt, params = req.add.prompt_token_ids, req.params
+        new, finish = [], None
+        while len(new) < want and finish is None:
+            token = prompt[(len(req.generated) + len(new)) % len(prompt)]
+            new.append(token)
+            finish = self._finish_reason(req, token, len(req.generated) + len(new))
+        req.generated += new
+        return self._record(req.add.request_id, new, params, finish)
+
+    def _finish_reason(self, req: FakeRequest, token: int, num_generated: int) -> str | None:
+        params = req.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.args.eos_id})
+        if token in stop_ids and num_generated >= params.min_tokens:
+            return "stop"
+        if num_generated >= params.max_tokens:
+            return "length"
+        return None
+
+    def _record(self, rid: int, tokens: list[int], params: SamplingParams, finish: str | None) -> OutputRecord:
+        if not params.logprobs:
+            return OutputRecord(rid, tokens, None, None, None, finish)
+        tops = [fake_top(t, params.top_logprobs, self.args.vocab_size) for t in tokens]
+        return OutputRecord(rid, tokens, [fake_logprob(t) for t in tokens], [t[0] for t in tops],
+                            [t[1] for t in tops], finish)
+
+    def _count_spec(self, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.args.k
+        self.num_accepted += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(step_id=self.step_id, num_running=len(self.running), num_waiting=0,
+                           num_kv_blocks_used=sum(r.num_blocks() for r in self.running.values()),
+                           num_kv_blocks_total=NUM_BLOCKS, num_drafts=self.num_drafts,
+                           num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted,
+                           num_accepted_per_pos=list(self.accepted_per_pos))
+
+
+async def amain(args: argparse.Namespace) -> None:
+    server = await RequestChannelServer.start(args.runtime_dir)
+    sink = await FakeOutputSink.create(args.runtime_dir)
+    engine = FakeEngine(server, sink, args)
+    server.set_ready(EngineReady(model_name="fake", max_model_len=args.max_model_len, vocab_size=args.vocab_size,
+                                 eos_token_ids=[args.eos_id], num_speculative_tokens=args.k,
+                                 num_kv_blocks=NUM_BLOCKS, kv_block_size=BLOCK_SIZE,
+                                 output_channel=sink.descriptor))
+    try:
+        await engine.run()
+    finally:
+        await sink.close()
+        await server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runtime_dir", type=Path)
+    parser.add_argument("--vocab-size", type=int, default=1200)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--eos-id", type=int, default=0)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=5.0)
+    uvloop.run(amain(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
