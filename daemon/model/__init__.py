@@ -1,0 +1,1 @@
+"""The Paddle model (rank processes only; imports paddle)."""

@@ -1,0 +1,49 @@
+"""Paged KV cache: one K and one V tensor per layer, addressed by flat slot number."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import paddle
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer K/V storage of `num_blocks` blocks of `block_size` token slots.
+
+    NOTE: each tensor is stored flat as `[(num_blocks + 1) * block_size, num_kv_heads, head_dim]`; slot
+    `block_id * block_size + offset` is row `block_id * block_size + offset`. The extra last block is a
+    scratch sink: writes to slot -1 land there, so invalid tokens never need a branch or a host sync.
+    The MTP layers get their own KVCache with the same `num_blocks`/`block_size`, addressed by the same
+    block tables, so one block allocator serves both.
+    """
+
+    k: list[paddle.Tensor]  # each [(num_blocks+1)*block_size, KVH, D]
+    v: list[paddle.Tensor]  # each [(num_blocks+1)*block_size, KVH, D]
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: str = "float32") -> KVCache:
+        shape = [(num_blocks + 1) * block_size, num_kv_heads, head_dim]
+        k = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        v = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        """Store this step's K/V. slots: [T] int64, already mapped so -1 became the scratch slot."""
+        paddle.scatter_(self.k[layer], slots, k.astype(self.k[layer].dtype), overwrite=True)
+        paddle.scatter_(self.v[layer], slots, v.astype(self.v[layer].dtype), overwrite=True)
+
+    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """slots: [B, K] int64 -> K, V: [B, K, KVH, D]."""
+        flat = slots.flatten()
+        shape = [slots.shape[0], slots.shape[1], *self.k[layer].shape[1:]]
+        k = paddle.gather(self.k[layer], flat).reshape(shape)
+        v = paddle.gather(self.v[layer], flat).reshape(shape)
+        return k, v

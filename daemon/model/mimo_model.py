@@ -1,0 +1,93 @@
+"""The dense Qwen2-style decoder with MiMo MTP layers, in Hugging Face parameter names.
+
+Parameter names match a MiMo checkpoint: `model.embed_tokens`, `model.layers.{i}.*`, `model.norm`,
+`model.mtp_layers.{i}.*` and, when untied, `lm_head`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import paddle
+from paddle import nn
+
+from mtpserve.model.attention_context import AttentionContext, PagedContext
+from mtpserve.model.config import ModelConfig
+from mtpserve.model.decoder_layer import DecoderLayer
+from mtpserve.model.forward_batch import ForwardBatch
+from mtpserve.model.kv_cache import KVCache
+from mtpserve.model.mtp_layer import MTPLayer
+from mtpserve.model.norm import RMSNorm
+from mtpserve.model.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
+from mtpserve.model.rotary import RotaryEmbedding
+
+
+class ModelOutput(NamedTuple):
+    hidden_states: paddle.Tensor  # [T, H] after the final norm: feed to compute_logits
+    mtp_hidden: paddle.Tensor  # [T, H] before the final norm: feed to the first MTP layer
+
+
+class MTPOutput(NamedTuple):
+    hidden_states: paddle.Tensor  # [T, H] after the layer's final_layernorm: feed to compute_logits
+    mtp_hidden: paddle.Tensor  # [T, H] before it: feed to the next MTP depth
+
+
+class MiMoBody(nn.Layer):
+    """The `model.*` namespace of the checkpoint."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.LayerList([DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mtp_layers = nn.LayerList([MTPLayer(config, tp)
+                                        for _ in range(config.num_nextn_predict_layers)])
+
+
+class MiMoForCausalLM(nn.Layer):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = MiMoBody(config, tp)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.model.mtp_layers)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> ModelOutput:
+        """Run the main model on a packed batch, writing and reading the paged KV cache."""
+        return self.run(batch.input_ids, batch.positions, PagedContext(batch, kv))
+
+    def mtp_forward(self, index: int, batch: ForwardBatch, token_ids_shifted: paddle.Tensor,
+                    prev_hidden: paddle.Tensor, mtp_kv: KVCache) -> MTPOutput:
+        """Run MTP layer `index % num_mtp_layers` on a packed batch with its own KV cache.
+
+        token_ids_shifted: [T], the token after each position; prev_hidden: [T, H], the previous
+        depth's `mtp_hidden` at the same positions. Positions and slots are the batch's.
+        """
+        ctx = PagedContext(batch, mtp_kv)
+        return self.run_mtp(index, token_ids_shifted, prev_hidden, batch.positions, ctx)
+
+    def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+        """hidden_states: [N, H] (an output's `hidden_states` rows) -> fp32 logits [N, V]."""
+        return self.lm_head(hidden_states).astype("float32")
+
+    def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
+        """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""
+        cos_sin = self.rotary.cos_sin(positions)
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, ctx, i)
+        return ModelOutput(hidden_states=self.model.norm(x), mtp_hidden=x)
+
+    def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor,
+                positions: paddle.Tensor, ctx: AttentionContext) -> MTPOutput:
+        layer_index = index % self.num_mtp_layers
+        layer = self.model.mtp_layers[layer_index]
+        embeds = self.model.embed_tokens(token_ids)  # [T, H]
+        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, layer_index)
+        return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)

@@ -1,0 +1,140 @@
+"""Tensor-parallel building blocks: column/row-parallel linears, vocab-parallel embedding and LM head.
+
+Every weight keeps the Hugging Face layout `[out_features, in_features]`, so a checkpoint tensor is
+sliced along one axis per rank and copied in without a transpose. Each layer records which axis of each
+parameter is sharded (`shard_axes`), and the loader uses that to slice full tensors by rank. With
+`tp_size == 1` no collective is ever called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import paddle
+import paddle.distributed as dist
+from paddle import nn
+
+INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group (`group=None` means the default world group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def split(self, n: int) -> int:
+        if n % self.size:
+            raise ValueError(f"dimension {n} is not divisible by tensor-parallel size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.size == 1:
+            return x
+        parts: list[paddle.Tensor] = []
+        dist.all_gather(parts, x, group=self.group)
+        return paddle.concat(parts, axis=-1)
+
+
+SINGLE = TensorParallel()
+
+
+def _weight(layer: nn.Layer, shape: list[int]) -> paddle.Tensor:
+    init = nn.initializer.Normal(mean=0.0, std=INIT_STD)
+    return layer.create_parameter(shape=shape, dtype="float32", default_initializer=init)
+
+
+def _bias(layer: nn.Layer, n: int) -> paddle.Tensor:
+    return layer.create_parameter(shape=[n], dtype="float32", is_bias=True,
+                                  default_initializer=nn.initializer.Constant(0.0))
+
+
+class ColumnParallelLinear(nn.Layer):
+    """y = x W^T + b with W's output rows split across ranks; the output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.weight = _weight(self, [tp.split(out_features), in_features])  # [out/tp, in]
+        self.bias = _bias(self, tp.split(out_features)) if bias else None
+        self.shard_axes = {"weight": 0, "bias": 0}
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = paddle.matmul(x, self.weight, transpose_y=True)
+        return y + self.bias if self.bias is not None else y
+
+
+class RowParallelLinear(nn.Layer):
+    """y = sum over ranks of x_r W_r^T, then + b: the input arrives split, the output is all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.weight = _weight(self, [out_features, tp.split(in_features)])  # [out, in/tp]
+        self.bias = _bias(self, out_features) if bias else None
+        self.shard_axes = {"weight": 1, "bias": None}
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = self.tp.all_reduce(paddle.matmul(x, self.weight, transpose_y=True))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Layer):
+    """Embedding whose vocabulary rows are split; ids outside this rank's range contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.rows = tp.split(vocab_size)
+        self.start = tp.rank * self.rows
+        self.weight = _weight(self, [self.rows, hidden_size])  # [V/tp, H]
+        self.shard_axes = {"weight": 0}
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = nn.functional.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
+        out = out * inside.astype(out.dtype).unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Layer):
+    """Logits over a vocabulary split by rows across ranks, gathered to the full vocabulary.
+
+    When tied, it reads the embedding's weight instead of owning one.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp = tp
+        self.tied_to = [tied_to]  # a list so Paddle does not register the embedding a second time
+        if tied_to is None:
+            self.weight = _weight(self, [tp.split(vocab_size), hidden_size])  # [V/tp, H]
+            self.shard_axes = {"weight": 0}
+
+    def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        weight = self.tied_to[0].weight if self.tied_to[0] is not None else self.weight
+        logits = paddle.matmul(hidden, weight, transpose_y=True)  # [N, V/tp]
+        return self.tp.all_gather_last(logits)
+
+
+class ReplicatedLinear(nn.Layer):
+    """y = x W^T, the same full weight on every rank (for small projections not worth splitting)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = _weight(self, [out_features, in_features])  # [out, in]
+        self.shard_axes = {"weight": None}
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(x, self.weight, transpose_y=True)
