@@ -7,11 +7,16 @@ exposes each op as a typed Python function. Only rank processes import it (it im
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import paddle
 from paddle import _C_ops
 from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
+
+from mtpserve.ipc import wire
+from mtpserve.ipc.output_channel import ChannelAddress
 
 
 class OpsNotBuiltError(RuntimeError):
@@ -33,5 +38,100 @@ def run_op(name: str, *args):
     return _C_ops._run_custom_op(name, *args)
 
 
-def probe_count(x: paddle.Tensor) -> paddle.Tensor:
-    return run_op("mtp_probe_count", x)
+def _run_one(name: str, *args) -> paddle.Tensor:
+    """run_op for ops with a single output."""
+    return run_op(name, *args)[0]
+
+
+class SendStatus(NamedTuple):
+    """What a send/flush op reports. frames_pending > 0: back-pressure, pause scheduling and flush."""
+
+    frames_pending: int
+    bytes_pending: int
+    frames_sent: int  # since this process attached
+    frames_deferred: int  # frames that could not go out at once, since attach
+
+    @classmethod
+    def of(cls, status: paddle.Tensor) -> "SendStatus":
+        # NOTE: a host tensor written by a CPU op: reading it is no device sync.
+        return cls(*status.numpy().tolist())
+
+
+class StepLogprobs(NamedTuple):
+    """Host tensors of one step's logprobs, indexed like token_ids (flat [N] or padded [B, T])."""
+
+    logprob: paddle.Tensor  # [N] / [B, T] float32: the sampled token's logprob
+    rank: paddle.Tensor  # [N] / [B, T] int32|int64: its rank (1 = most likely)
+    topk_ids: paddle.Tensor  # [N, K_max] / [B, T, K_max] int32|int64
+    topk_logprobs: paddle.Tensor  # [N, K_max] / [B, T, K_max] float32
+
+
+@dataclass(frozen=True)
+class OutputSender:
+    """Rank-side handle of an output channel: wraps the mtp_output_* ops with the channel's attributes.
+
+    Build it on every rank; only the rank equal to send_rank packs and sends, the others get zeros.
+    All tensors are host (CPU / pinned) tensors; ids and counts may be int32 or int64.
+    """
+
+    address: ChannelAddress
+    rank: int
+    vocab_size: int
+    send_rank: int = 0
+    max_pending_bytes: int = 64 << 20
+
+    def _address_attrs(self) -> tuple:
+        a = self.address
+        return (self.rank, self.send_rank, int(a.transport), a.queue_name, a.sysv_key, a.ring_name,
+                a.max_msg_bytes, self.max_pending_bytes, a.chunked)
+
+    def send_step(self, *, step_id: int, req_ids: paddle.Tensor, seq: paddle.Tensor,
+                  num_tokens: paddle.Tensor, finish: paddle.Tensor, token_ids: paddle.Tensor,
+                  logprobs: StepLogprobs | None = None, num_topk: int = 0,
+                  kind: wire.Kind = wire.Kind.TARGET) -> paddle.Tensor:
+        """Send one TARGET (or DRAFT) frame; returns status int64[4] (see SendStatus).
+
+        req_ids [B] (rows < 0 are invalid slots and skipped) · seq [B] tokens already sent per request
+        · num_tokens [B] · finish [B] wire.Finish · token_ids [N] flat or [B, T] padded.
+        num_topk: the real top-k width to send (<= K_max, <= 20).
+        """
+        lp = logprobs or (None, None, None, None)
+        return _run_one("mtp_output_send", req_ids, seq, num_tokens, finish, token_ids, *lp, None,
+                      int(kind), step_id, num_topk if logprobs else 0, self.vocab_size,
+                      self.address.instance_tag, *self._address_attrs())
+
+    def send_first_token(self, *, step_id: int, req_ids: paddle.Tensor, seq: paddle.Tensor,
+                         finish: paddle.Tensor, token_ids: paddle.Tensor,
+                         logprobs: StepLogprobs | None = None, num_topk: int = 0,
+                         draft_ids: paddle.Tensor | None = None) -> paddle.Tensor:
+        """Send a FIRST_TOKEN frame from a prefill instance: token_ids [B], draft_ids [B, D]."""
+        lp = logprobs or (None, None, None, None)
+        return _run_one("mtp_output_send_first_token", req_ids, seq, finish, token_ids, *lp, draft_ids,
+                      step_id, num_topk if logprobs else 0, self.vocab_size,
+                      self.address.instance_tag, *self._address_attrs())
+
+    def send_control(self, code: wire.ControlCode, message: str, step_id: int = 0) -> paddle.Tensor:
+        return _run_one("mtp_output_control", _dummy(), int(code), message, step_id,
+                      self.address.instance_tag, *self._address_attrs())
+
+    def flush(self) -> paddle.Tensor:
+        """Retry pending frames; returns the status."""
+        return _run_one("mtp_output_flush", _dummy(), *self._address_attrs())
+
+    def close(self) -> SendStatus:
+        """Detach this process from the channel; the status tells how many frames never went out."""
+        return SendStatus.of(run_op("mtp_output_close", _dummy(), self.address.ring_name))
+
+
+def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finish, token_ids,
+               logprobs: StepLogprobs | None = None, num_topk: int = 0, draft_ids=None,
+               vocab_size: int, instance_tag: int = 0) -> paddle.Tensor:
+    """The frame the send op would build, as uint8 bytes (frame_seq 0, unchunked): for tests."""
+    lp = logprobs or (None, None, None, None)
+    return _run_one("mtp_output_pack", req_ids, seq, num_tokens, finish, token_ids, *lp, draft_ids,
+                  int(kind), step_id, num_topk if logprobs else 0, vocab_size, instance_tag)
+
+
+@functools.cache
+def _dummy() -> paddle.Tensor:
+    return paddle.zeros([1], dtype="int64")

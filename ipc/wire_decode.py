@@ -1,0 +1,123 @@
+"""Validating decoder of the wire format (ipc/wire.py). Every check failure is a WireError with a
+short `reason`, which the reader counts; nothing here trusts a length before checking it."""
+
+from __future__ import annotations
+
+import collections
+import struct
+import zlib
+
+import numpy as np
+
+from mtpserve.ipc import wire
+from mtpserve.ipc.step_output import ControlMessage, Frame, StepOutput
+
+_FORMAT = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q"}
+HEADER_STRUCT = struct.Struct("<" + "".join(_FORMAT[t.lstrip("<")] for _, t in wire.HEADER_FIELDS))
+FrameHeader = collections.namedtuple("FrameHeader", [n for n, _ in wire.HEADER_FIELDS])
+_CRC_AT = wire.HEADER_DTYPE.fields["header_crc"][1]
+_ZERO4 = bytes(4)
+_KINDS = frozenset(int(k) for k in wire.Kind)
+
+
+class WireError(ValueError):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def header_crc(head: bytes | memoryview) -> int:
+    """crc32 of the 64 header bytes with the header_crc field taken as zero."""
+    crc = zlib.crc32(head[:_CRC_AT])
+    crc = zlib.crc32(_ZERO4, crc)
+    return zlib.crc32(head[_CRC_AT + 4:wire.HEADER_SIZE], crc)
+
+
+def _check(ok: bool, reason: str, detail: str = "") -> None:
+    if not ok:
+        raise WireError(reason, detail)
+
+
+def decode_header(message: bytes | memoryview) -> FrameHeader:
+    """Parse and validate the header at the start of one queue message."""
+    _check(len(message) >= wire.HEADER_SIZE, "truncated", f"{len(message)} bytes")
+    h = FrameHeader._make(HEADER_STRUCT.unpack_from(message))
+    _check(h.magic == wire.MAGIC, "magic")
+    _check(h.version == wire.VERSION, "version", str(h.version))
+    _check(h.header_crc == header_crc(message), "header_crc")
+    _check(h.kind in _KINDS, "kind", str(h.kind))
+    _check(h.flags & ~wire.KNOWN_FLAGS == 0, "flags", hex(h.flags))
+    _check_widths(h)
+    _check_transport(h, len(message))
+    return h
+
+
+def _check_widths(h: FrameHeader) -> None:
+    _check(h.num_reqs <= wire.MAX_REQS, "bounds", "num_reqs")
+    _check(h.num_tokens <= h.num_reqs * wire.MAX_TOKENS_PER_REQ, "bounds", "num_tokens")
+    _check(h.topk <= wire.MAX_TOPK, "bounds", "topk")
+    _check(h.topk == 0 or h.flags & wire.Flag.LOGPROBS, "bounds", "topk without logprobs")
+    _check(h.draft_width <= wire.MAX_DRAFT_WIDTH, "bounds", "draft_width")
+    _check(h.payload_len <= wire.MAX_PAYLOAD, "bounds", "payload_len")
+
+
+def _check_transport(h: FrameHeader, size: int) -> None:
+    _check(1 <= h.chunk_count and h.chunk_index < h.chunk_count, "chunk", "index/count")
+    if h.flags & wire.Flag.IN_RING:
+        _check(h.chunk_count == 1 and size == wire.HEADER_SIZE, "chunk", "ring descriptor with a body")
+    elif h.chunk_count == 1:
+        _check(size == wire.HEADER_SIZE + h.payload_len, "truncated", "inline body length")
+
+
+def decode_payload(h: FrameHeader, payload: bytes, vocab_size: int | None = None) -> Frame:
+    """Check the payload against the header and return views over it."""
+    _check(len(payload) == h.payload_len, "truncated", "payload length")
+    _check(zlib.crc32(payload) == h.payload_crc, "payload_crc")
+    if h.kind == wire.Kind.CONTROL:
+        return _decode_control(h, payload)
+    return _decode_tokens(h, payload, vocab_size)
+
+
+def _decode_control(h: FrameHeader, payload: bytes) -> ControlMessage:
+    _check(len(payload) >= wire.CONTROL_PREFIX, "content", "control payload")
+    code = int.from_bytes(payload[:4], "little", signed=True)
+    _check(code in set(int(c) for c in wire.ControlCode), "content", f"control code {code}")
+    text = payload[wire.CONTROL_PREFIX:].decode("utf-8", errors="replace")
+    return ControlMessage(wire.ControlCode(code), text, h.step_id, h.frame_seq)
+
+
+def _decode_tokens(h: FrameHeader, payload: bytes, vocab_size: int | None) -> StepOutput:
+    shape = wire.Shape(h.num_reqs, h.num_tokens, h.topk, h.draft_width,
+                       bool(h.flags & wire.Flag.LOGPROBS))
+    spans, total = wire.layout(shape)
+    _check(total == len(payload), "payload_len", f"{len(payload)} != {total}")
+    v = {s.name: np.frombuffer(payload, s.dtype, s.count, s.offset) for s in spans}
+    _check_content(h, v, vocab_size)
+    lp = shape.has_logprobs
+    return StepOutput(
+        kind=wire.Kind(h.kind), step_id=h.step_id, frame_seq=h.frame_seq,
+        req_ids=v["req_ids"], seq=v["seq"], num_tokens=v["num_tokens"], finish=v["finish"],
+        token_ids=v["token_ids"], logprob=v["logprob"] if lp else None,
+        rank=v["rank"] if lp else None,
+        topk_ids=v["topk_ids"].reshape(h.num_tokens, h.topk) if lp else None,
+        topk_logprobs=v["topk_logprobs"].reshape(h.num_tokens, h.topk) if lp else None,
+        draft_ids=v["draft_ids"].reshape(h.num_reqs, h.draft_width) if h.draft_width else None)
+
+
+def _check_content(h: FrameHeader, v: dict[str, np.ndarray], vocab_size: int | None) -> None:
+    """Vectorised invariants: counts add up, statuses are known, ids lie in the vocabulary."""
+    nt = v["num_tokens"]
+    _check(h.num_reqs == 0 or (int(nt.min()) >= 0 and int(nt.max()) <= wire.MAX_TOKENS_PER_REQ),
+           "content", "num_tokens range")
+    _check(int(nt.sum()) == h.num_tokens, "content", "num_tokens sum")
+    fin = v["finish"]
+    _check(h.num_reqs == 0 or (int(fin.min()) >= 0 and int(fin.max()) <= max(wire.Finish)),
+           "content", "finish status")
+    hi = vocab_size if vocab_size is not None else 2**31
+    for name in ("token_ids", "topk_ids"):
+        ids = v.get(name)
+        if ids is not None and ids.size:
+            _check(int(ids.min()) >= 0 and int(ids.max()) < hi, "content", f"{name} range")
+    drafts = v.get("draft_ids")
+    if drafts is not None and drafts.size:
+        _check(int(drafts.min()) >= -1 and int(drafts.max()) < hi, "content", "draft_ids range")
