@@ -1,0 +1,137 @@
+"""`mtpserve serve`: start the rank processes and the HTTP process, supervise them, stop them cleanly.
+
+1. Resolve this instance's runtime directory (0700) and write the validated configuration there as JSON
+   (children read it back typed; nothing is re-parsed or re-validated differently in a child).
+2. Start rank processes 0..N-1, then the HTTP process. The HTTP process waits for rank 0's EngineReady
+   on the request channel and answers 503 on /health until then.
+3. Supervise: if any child exits on its own, the instance is down: stop the others and exit non-zero.
+4. On SIGTERM or SIGINT: forward SIGTERM to the HTTP process (it drains), then stop the ranks; a second
+   signal stops everything at once. Remove the runtime directory on the way out.
+Children die with the launcher: each sets PR_SET_PDEATHSIG and also watches its parent pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from mtpserve import log
+from mtpserve.config import Config
+
+CONFIG_FILE = "config.json"
+STOP_GRACE_S = 10.0
+
+
+def runtime_dir(config: Config) -> Path:
+    """The instance's private directory: sockets, ownership records, the config the children read."""
+    base = config.ipc.runtime_dir or os.environ.get("RUNTIME_DIRECTORY") or f"/tmp/mtpserve-{os.getuid()}"
+    return Path(base) / instance_name(config)
+
+
+def instance_name(config: Config) -> str:
+    return config.ipc.instance or f"port{config.server.port}"
+
+
+def write_config(config: Config, directory: Path) -> Path:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    path = directory / CONFIG_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(config))
+    return path
+
+
+def read_config(path: str | os.PathLike) -> Config:
+    """What a child calls first: the launcher's validated tree, typed."""
+    return msgspec.json.decode(Path(path).read_bytes(), type=Config)
+
+
+def child_commands(config: Config, config_path: Path) -> list[tuple[str, list[str]]]:
+    python = sys.executable
+    ranks = [(f"rank{r}", [python, "-m", "mtpserve.engine.rank_main", str(config_path), "--rank", str(r)])
+             for r in range(config.parallel.tensor_parallel_size)]
+    return [*ranks, ("http", [python, "-m", "mtpserve.server.main", str(config_path)])]
+
+
+def serve(config: Config) -> int:
+    log.configure(config.logging.level, config.logging.format, process="launcher",
+                  instance=instance_name(config))
+    logger = log.get_logger("mtpserve.launcher")
+    directory = runtime_dir(config)
+    config_path = write_config(config, directory)
+    supervisor = Supervisor(child_commands(config, config_path))
+    logger.info("starting", runtime_dir=str(directory), host=config.server.host, port=config.server.port)
+    try:
+        return supervisor.run(drain_timeout=config.server.drain_timeout)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class Supervisor:
+    """Owns the child processes; `run()` returns the launcher's exit status."""
+
+    def __init__(self, commands: list[tuple[str, list[str]]]) -> None:
+        self.commands = commands
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stopping = 0  # signals received
+        self.logger = log.get_logger("mtpserve.launcher")
+
+    def run(self, drain_timeout: float) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for name, argv in self.commands:
+            self.children[name] = subprocess.Popen(argv, start_new_session=False)
+        failed = self._wait_for_exit_or_signal()
+        status = self._stop(drain_timeout if not failed else 0.0)
+        return 1 if failed else status
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.stopping += 1
+        self.logger.info("signal", signal=signal.Signals(signum).name, count=self.stopping)
+        if self.stopping > 1:
+            self._kill_all()
+
+    def _wait_for_exit_or_signal(self) -> str | None:
+        """Block until a signal arrives (None) or a child exits on its own (its name)."""
+        while not self.stopping:
+            for name, child in self.children.items():
+                if child.poll() is not None:
+                    self.logger.error("child exited", child=name, status=child.returncode)
+                    return name
+            time.sleep(0.1)
+        return None
+
+    def _stop(self, drain_timeout: float) -> int:
+        """HTTP first (it drains its streams), then the ranks; SIGKILL whatever outlives its grace."""
+        http = self.children.get("http")
+        if http is not None and http.poll() is None:
+            http.send_signal(signal.SIGTERM)
+            _wait(http, drain_timeout + STOP_GRACE_S)
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in self.children.values():
+            _wait(child, STOP_GRACE_S)
+        statuses = [c.returncode for c in self.children.values()]
+        return 0 if all(s == 0 for s in statuses) else 1
+
+    def _kill_all(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.kill()
+
+
+def _wait(child: subprocess.Popen, timeout: float) -> None:
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
