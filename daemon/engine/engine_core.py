@@ -1,0 +1,139 @@
+"""The engine core of rank 0: intake, schedule, launch, collect, verify/update, emit. No I/O.
+
+A process wrapper owns the event loop, the request channel and the output op; it calls `add_request`
+/ `abort_request` as messages arrive and `step()` in a loop. Tests drive the same core in-process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+from mtpserve.engine.request import EngineRequest, FinishReason, Request
+from mtpserve.engine.runner import ModelRunner, StepHandle
+from mtpserve.engine.sampler import check_bounds
+from mtpserve.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from mtpserve.engine.spec_stats import AcceptanceStats
+from mtpserve.engine.step_output import StepOutput
+from mtpserve.engine.step_plan import StepPlan, StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    overlap: bool = True  # plan and launch step N+1 before collecting step N
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0  # draws the seeds of requests that bring none
+
+
+class _Emitter:
+    """Collects one step's per-request outputs into flat arrays."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.tokens: list[np.ndarray] = []
+        self.reasons: list[int] = []
+
+    def add(self, request_id: str, tokens: np.ndarray, reason: FinishReason) -> None:
+        self.ids.append(request_id)
+        self.tokens.append(tokens)
+        self.reasons.append(int(reason))
+
+    def build(self, step_id: int) -> StepOutput:
+        if not self.ids:
+            return StepOutput.empty(step_id)
+        return StepOutput(step_id, tuple(self.ids),
+                          np.fromiter((t.shape[0] for t in self.tokens), np.int32, len(self.tokens)),
+                          np.concatenate(self.tokens).astype(np.int64),
+                          np.asarray(self.reasons, np.uint8))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        if runner.num_speculative_tokens != config.scheduler.num_speculative_tokens:
+            raise ValueError("runner and scheduler disagree on num_speculative_tokens")
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(config.scheduler)
+        self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
+        self._inflight: collections.deque[tuple[SchedulePlan, StepHandle]] = collections.deque()
+        self._depth = 2 if config.overlap else 1
+        self._aborted: list[str] = []
+        self._step_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+
+    # ---- intake ---------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        seed = request.params.seed
+        if seed is None:
+            seed = int(self._seeds.integers(0, 2**63))
+        self.scheduler.add(Request(request, next(self._arrivals), seed))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request in any phase. Results of steps already launched for it are discarded."""
+        if self.scheduler.abort(request_id) is None:
+            return False
+        self._aborted.append(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """1. schedule the next step (upper bounds for what is still in flight) and launch it;
+        2. if `overlap` steps are in flight (or nothing new could be launched), wait for the oldest;
+        3. apply its results and return the emitted tokens and finishes."""
+        launched = self._launch()
+        if self._inflight and (len(self._inflight) >= self._depth or not launched):
+            plan, handle = self._inflight.popleft()
+            return self._collect(plan, handle.result())
+        return self._emit_aborts(_Emitter()).build(-1)
+
+    def _launch(self) -> bool:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return False
+        step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids)
+        self._inflight.append((plan, self.runner.launch(step_plan)))
+        return True
+
+    def _collect(self, plan: SchedulePlan, result: StepResult) -> StepOutput:
+        check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
+        out = self._emit_aborts(_Emitter())
+        verified = []
+        for i, row in enumerate(plan.rows):
+            if not self.scheduler.is_current(row):
+                continue  # finished, aborted or preempted after this step was launched
+            tokens = result.token_ids[i, :result.num_emitted[i]]
+            reason = FinishReason(int(result.finish_reason[i]))
+            if not row.is_prefill and result.is_valid[i]:
+                verified.append(i)
+                self._count_acceptance(row.request, int(result.num_accepted[i]))
+            self.scheduler.commit(row, tokens.tolist(), reason)
+            if tokens.shape[0] or reason is not FinishReason.NONE:
+                out.add(row.request.request_id, tokens, reason)
+        self.acceptance.observe(result.num_accepted[verified])
+        return out.build(result.step_id)
+
+    def _count_acceptance(self, request: Request, num_accepted: int) -> None:
+        request.num_draft_tokens += self.config.scheduler.num_speculative_tokens
+        request.num_accepted_tokens += num_accepted
+
+    def _emit_aborts(self, out: _Emitter) -> _Emitter:
+        for request_id in self._aborted:
+            out.add(request_id, np.zeros(0, np.int64), FinishReason.ABORT)
+        self._aborted.clear()
+        return out
+
+    def close(self) -> None:
+        for _, handle in self._inflight:
+            handle.result()
+        self._inflight.clear()
+        self.runner.close()

@@ -1,0 +1,95 @@
+"""What the host hands the device for one step, and what the device hands back.
+
+A `StepPlan` is an immutable snapshot built on the host while the previous step still runs. The device
+applies it in launch order: first the slot inserts and block-table writes (staged here, so inserting a
+request never waits for the device), then the rows. Decode rows carry no tokens: the device reads the
+last sampled token and the drafts of their slot from its own state, which is how tokens sampled at
+step N stay device-resident for step N+1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from mtpserve.engine import rng
+from mtpserve.engine.request import Request
+from mtpserve.engine.scheduler import BlockWrite, SchedulePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInsert:
+    """Everything the device keeps per slot for one request, written when it takes the slot."""
+
+    slot: int
+    key: int  # rng.seed_to_key(seed)
+    prompt_ids: np.ndarray  # [P] int64, for repetition penalties
+    output_ids: np.ndarray  # [O] int64, outputs kept across a preemption (penalties, out_len)
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence: float
+    frequency: float
+    repetition: float
+    max_tokens: int
+    min_tokens: int
+    stop_ids: tuple[int, ...]  # stop token ids, plus EOS unless ignore_eos
+
+    @classmethod
+    def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> SlotInsert:
+        p = request.params
+        stops = p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
+        return cls(slot=request.slot, key=int(rng.seed_to_key(request.seed)),
+                   prompt_ids=request.prompt_ids,
+                   output_ids=np.asarray(request.output_ids, dtype=np.int64),
+                   temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                   presence=p.presence_penalty, frequency=p.frequency_penalty,
+                   repetition=p.repetition_penalty, max_tokens=p.max_tokens,
+                   min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    inserts: tuple[SlotInsert, ...]
+    block_writes: tuple[BlockWrite, ...]
+    slots: np.ndarray  # [B] int64
+    is_prefill: np.ndarray  # [B] bool
+    num_tokens: np.ndarray  # [B] int64: chunk length, or k+1 for a decode window
+    start_pos: np.ndarray  # [B] int64: first position of a prefill chunk (decode: unused)
+    emits: np.ndarray  # [B] bool: decode windows and last prefill chunks produce tokens
+    prefill_ids: np.ndarray  # [sum of prefill chunk lengths] int64, in row order
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.slots.shape[0])
+
+    @classmethod
+    def build(cls, step_id: int, plan: SchedulePlan, eos_token_ids: tuple[int, ...]) -> StepPlan:
+        rows = plan.rows
+        chunks = [r.request.prefill_ids[r.start_pos:r.start_pos + r.num_tokens]
+                  for r in rows if r.is_prefill]
+        return cls(
+            step_id=step_id,
+            inserts=tuple(SlotInsert.of(r, eos_token_ids) for r in plan.inserts),
+            block_writes=plan.block_writes,
+            slots=np.fromiter((r.slot for r in rows), np.int64, len(rows)),
+            is_prefill=np.fromiter((r.is_prefill for r in rows), bool, len(rows)),
+            num_tokens=np.fromiter((r.num_tokens for r in rows), np.int64, len(rows)),
+            start_pos=np.fromiter((r.start_pos for r in rows), np.int64, len(rows)),
+            emits=np.fromiter((r.emits for r in rows), bool, len(rows)),
+            prefill_ids=np.concatenate(chunks) if chunks else np.zeros(0, np.int64))
+
+
+class StepResult(NamedTuple):
+    """Device -> host, one entry per plan row (numpy, copied off the device in one transfer)."""
+
+    step_id: int
+    token_ids: np.ndarray  # [B, k+1] int64: emitted tokens of each row, -1 after the last
+    num_emitted: np.ndarray  # [B] int64: 0 for non-emitting or invalid rows
+    num_accepted: np.ndarray  # [B] int64: drafts the verifier accepted (before stop truncation)
+    finish_reason: np.ndarray  # [B] uint8 (request.FinishReason)
+    is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
