@@ -120,7 +120,7 @@ class OutputSender:
 
     def close(self) -> SendStatus:
         """Detach this process from the channel; the status tells how many frames never went out."""
-        return SendStatus.of(run_op("mtp_output_close", _dummy(), self.address.ring_name))
+        return SendStatus.of(_run_one("mtp_output_close", _dummy(), self.address.ring_name))
 
 
 def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finish, token_ids,

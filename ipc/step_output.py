@@ -41,6 +41,7 @@ class StepOutput:
     topk_ids: np.ndarray | None  # [N, K] int32
     topk_logprobs: np.ndarray | None  # [N, K] float32
     draft_ids: np.ndarray | None  # [B, D] int32
+    seq_ok: np.ndarray | None = None  # [B] bool, set by the reader when some row's seq was wrong
 
     @property
     def num_reqs(self) -> int:

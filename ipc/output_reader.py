@@ -1,0 +1,148 @@
+"""The HTTP side of the output channel: frames delivered on the asyncio loop.
+
+1. POSIX: the queue's descriptor is registered with loop.add_reader; each wake-up drains the queue
+   with non-blocking receives, assembling and decoding on the loop (a frame costs tens of µs).
+2. SysV: one daemon thread blocks in msgrcv (ctypes releases the GIL), assembles and decodes, and
+   hands each frame to the loop with call_soon_threadsafe.
+3. Both: bad messages are counted (stats.rejected) and skipped; the reader keeps going.
+4. A removed queue (SysV msgrcv fails with EIDRM; POSIX: the ring's closed flag or the queue's name
+   is gone, polled every liveness_interval seconds) marks the engine dead: get() raises EngineDead,
+   and the HTTP side answers 503 instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+
+import posix_ipc
+
+from mtpserve.ipc import sysv, wire
+from mtpserve.ipc.frame_assembler import FrameAssembler, ReaderStats
+from mtpserve.ipc.output_channel import OutputChannel
+from mtpserve.ipc.seq_tracker import SeqTracker
+from mtpserve.ipc.step_output import Frame
+
+_STOP_MTYPE = 2  # the reader's own wake-up message on close (frames use mtype 1)
+
+
+class EngineDead(RuntimeError):
+    """The output channel is gone: no frame will arrive."""
+
+
+class OutputReader:
+    """Reads one channel; `await get()` returns the next frame in order."""
+
+    def __init__(self, channel: OutputChannel, *, vocab_size: int | None = None,
+                 track_seq: bool = True, liveness_interval: float = 0.5) -> None:
+        self.channel = channel
+        self.tracker = SeqTracker() if track_seq else None
+        self._assembler = FrameAssembler(channel.address.instance_tag, channel.ring,
+                                         vocab_size=vocab_size, tracker=self.tracker)
+        self._liveness_interval = liveness_interval
+        self._frames: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self.dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mq: posix_ipc.MessageQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._liveness: asyncio.TimerHandle | None = None
+
+    @property
+    def stats(self) -> ReaderStats:
+        return self._assembler.stats
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.channel.address.transport is wire.Transport.POSIX:
+            self._start_posix()
+        else:
+            self._start_sysv()
+        self._liveness = self._loop.call_later(self._liveness_interval, self._check_alive)
+
+    async def get(self) -> Frame:
+        """The next frame; raises EngineDead once the channel is gone and all frames are read."""
+        frame = await self._frames.get()
+        if frame is None:
+            self._frames.put_nowait(None)  # every later get() raises too
+            raise EngineDead(self.dead_reason or "output channel closed")
+        return frame
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._liveness:
+            self._liveness.cancel()
+        if self._mq is not None:
+            self._loop.remove_reader(self._mq.mqd)
+            self._mq.close()
+            self._mq = None
+        if self._thread is not None:
+            await self._stop_thread()
+
+    # POSIX ---------------------------------------------------------------------------------
+    def _start_posix(self) -> None:
+        self._mq = posix_ipc.MessageQueue(self.channel.address.queue_name, read=True, write=False)
+        self._mq.block = False
+        self._loop.add_reader(self._mq.mqd, self._drain_posix)
+
+    def _drain_posix(self) -> None:
+        while self._mq is not None:
+            try:
+                message, _ = self._mq.receive()
+            except posix_ipc.BusyError:
+                return
+            self._deliver(self._assembler.feed(message))
+
+    # SysV ----------------------------------------------------------------------------------
+    def _start_sysv(self) -> None:
+        qid = sysv.open_existing(self.channel.address.sysv_key)
+        receiver = sysv.Receiver(qid, self.channel.address.max_msg_bytes)
+        self._thread = threading.Thread(target=self._sysv_loop, args=(receiver,),
+                                        name="mtpserve-output-reader", daemon=True)
+        self._thread.start()
+
+    def _sysv_loop(self, receiver: sysv.Receiver) -> None:
+        while True:
+            try:
+                mtype, body = receiver.recv()
+            except OSError as e:
+                reason = "output queue removed" if e.errno in (errno.EIDRM, errno.EINVAL) else str(e)
+                self._loop.call_soon_threadsafe(self._mark_dead, reason)
+                return
+            if mtype == _STOP_MTYPE and self._closing:
+                return
+            frame = self._assembler.feed(body)
+            if frame is not None:
+                self._loop.call_soon_threadsafe(self._frames.put_nowait, frame)
+
+    async def _stop_thread(self) -> None:
+        qid = sysv.find(self.channel.address.sysv_key)
+        while qid is not None and self._thread.is_alive():
+            if sysv.send(qid, b"", mtype=_STOP_MTYPE):
+                break
+            await asyncio.sleep(0.001)  # full queue: the thread is draining it
+        await asyncio.to_thread(self._thread.join, 5.0)
+        self._thread = None
+
+    # both ----------------------------------------------------------------------------------
+    def _deliver(self, frame: Frame | None) -> None:
+        if frame is not None:
+            self._frames.put_nowait(frame)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None or self._closing:
+            return
+        if self.channel.is_removed():
+            self._mark_dead("output channel removed")
+            return
+        self._liveness = self._loop.call_later(self._liveness_interval, self._check_alive)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        if self._mq is not None:
+            self._drain_posix()  # frames already queued still count
+            self._loop.remove_reader(self._mq.mqd)
+        self._frames.put_nowait(None)

@@ -1,0 +1,72 @@
+"""Per-request token counters that prove nothing was lost or duplicated between engine and reader.
+
+Each token frame says, per request, `seq` = tokens of that request sent before this frame. The tracker
+keeps the count it saw so far for every live request (sorted arrays, so one frame is a handful of
+vectorised NumPy calls, no per-request Python) and flags rows whose seq differs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpserve.ipc import wire
+from mtpserve.ipc.step_output import StepOutput
+
+_DONE = np.array([wire.Finish.STOP, wire.Finish.LENGTH, wire.Finish.ABORT, wire.Finish.ERROR])
+
+
+class SeqTracker:
+    """Expected next seq per request id. A request not seen before must start at seq 0 unless
+    expect() registered another start (a decode instance whose first token came from prefill)."""
+
+    def __init__(self) -> None:
+        self._ids = np.empty(0, np.int64)  # sorted request ids
+        self._next = np.empty(0, np.int64)  # tokens seen so far, per id
+
+    def __len__(self) -> int:
+        return int(self._ids.size)
+
+    def expect(self, req_id: int, start: int) -> None:
+        self._upsert(np.array([req_id], np.int64), np.array([start], np.int64))
+
+    def check(self, frame: StepOutput) -> np.ndarray:
+        """[B] bool: row i carries the seq the tracker expected. Then advances (resyncing wrong
+        rows, so one loss is reported once) and forgets finished requests."""
+        ids = frame.req_ids.astype(np.int64)
+        pos, found = self._lookup(ids)
+        expected = np.where(found, self._next[np.minimum(pos, max(self._ids.size - 1, 0))]
+                            if self._ids.size else 0, 0)
+        seq = frame.seq.astype(np.int64)
+        ok = (seq == expected) & _first_occurrence(ids)
+        self._upsert(ids, seq + frame.num_tokens)
+        self._forget(ids[np.isin(frame.finish, _DONE)])
+        return ok
+
+    def _lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.searchsorted(self._ids, ids)
+        if not self._ids.size:
+            return pos, np.zeros(ids.size, bool)
+        found = (pos < self._ids.size) & (self._ids[np.minimum(pos, self._ids.size - 1)] == ids)
+        return pos, found
+
+    def _upsert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        pos, found = self._lookup(ids)
+        self._next[pos[found]] = values[found]
+        new_ids, first = np.unique(ids[~found], return_index=True)
+        if new_ids.size:
+            merged = np.concatenate([self._ids, new_ids])
+            order = np.argsort(merged, kind="stable")
+            self._ids = merged[order]
+            self._next = np.concatenate([self._next, values[~found][first]])[order]
+
+    def _forget(self, ids: np.ndarray) -> None:
+        if ids.size:
+            keep = ~np.isin(self._ids, ids)
+            self._ids, self._next = self._ids[keep], self._next[keep]
+
+
+def _first_occurrence(ids: np.ndarray) -> np.ndarray:
+    """[B] bool: False for a request id repeated within one frame (a duplicate)."""
+    mask = np.zeros(ids.size, bool)
+    mask[np.unique(ids, return_index=True)[1]] = True
+    return mask
