@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class EngineCore:
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
+        self.wait_seconds = 0.0  # host time blocked on device results (the per-step sync)
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -93,7 +95,10 @@ class EngineCore:
         launched = self._launch()
         if self._inflight and (len(self._inflight) >= self._depth or not launched):
             plan, handle = self._inflight.popleft()
-            return self._collect(plan, handle.result())
+            begin = time.perf_counter()
+            result = handle.result()
+            self.wait_seconds += time.perf_counter() - begin
+            return self._collect(plan, result)
         return self._emit_aborts(_Emitter()).build(-1)
 
     def _launch(self) -> bool:

@@ -1,0 +1,113 @@
+"""`mtpserve bench engine`: the engine core on the synthetic device (fixed step time, k drafts, a set
+acceptance rate), device busy fraction with overlap on and off, at several batch sizes.
+
+The engine runs closed-loop: `batch` requests are kept in flight, a finished one is replaced at once.
+Busy fraction = device time spent executing steps / wall time, over a window after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.request import EngineRequest, SamplingParams
+from mtpserve.engine.scheduler import SchedulerConfig
+from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    overlap: bool
+    k: int
+    step_ms: float
+    acceptance_rate: float
+    prompt_len: int
+    max_tokens: int
+    warmup_steps: int
+    measure_steps: int
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("engine", help="engine core on the synthetic device: busy fraction, "
+                              "overlap on vs off")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--step-ms", type=float, default=10.0, help="synthetic device step time")
+    p.add_argument("--acceptance-rate", type=float, default=0.7)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--measure-steps", type=int, default=200)
+    p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = []
+    for batch in args.batch:
+        for overlap in (False, True):
+            case = Case(batch, overlap, args.k, args.step_ms, args.acceptance_rate, args.prompt_len,
+                        args.max_tokens, args.warmup_steps, args.measure_steps)
+            results.append(measure(case))
+            print(format_row(results[-1]), flush=True)
+    args.out.write_text(json.dumps({"benchmark": "engine-synthetic", "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def make_core(case: Case) -> EngineCore:
+    num_blocks = case.batch * ((case.prompt_len + case.max_tokens) // 16 + 4) + 64
+    sched = SchedulerConfig(max_num_seqs=case.batch, max_num_batched_tokens=max(2048, case.batch * (case.k + 1)),
+                            max_prefill_chunk=512, num_speculative_tokens=case.k,
+                            num_blocks=num_blocks, block_size=16)
+    runner = SyntheticRunner(SyntheticConfig(
+        step_time_s=case.step_ms / 1e3, acceptance_rate=case.acceptance_rate, vocab_size=32000,
+        num_speculative_tokens=case.k, max_num_seqs=case.batch, num_blocks=num_blocks, block_size=16))
+    return EngineCore(EngineConfig(sched, overlap=case.overlap), runner)
+
+
+def measure(case: Case) -> dict:
+    core = make_core(case)
+    gen = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens, ignore_eos=True)
+    counter = 0
+    host_s = tokens = 0.0
+    for step in range(case.warmup_steps + case.measure_steps):
+        if step == case.warmup_steps:
+            busy0, wall0, accepted0 = core.runner.busy_seconds(), time.perf_counter(), _acceptance(core)
+            wait0 = core.wait_seconds
+            host_s = tokens = 0.0
+        while core.scheduler.num_unfinished < case.batch:
+            prompt = tuple(int(t) for t in gen.integers(1, 32000, case.prompt_len))
+            core.add_request(EngineRequest(f"b{counter}", prompt, params))
+            counter += 1
+        begin = time.perf_counter()
+        out = core.step()
+        host_s += time.perf_counter() - begin
+        tokens += int(out.num_tokens.sum())
+    wall = time.perf_counter() - wall0
+    busy = core.runner.busy_seconds() - busy0
+    steps, drafted = _acceptance(core)[0] - accepted0[0], _acceptance(core)[1] - accepted0[1]
+    core.close()
+    return {**dataclasses.asdict(case), "busy_fraction": busy / wall, "wall_s": wall,
+            "steps_per_s": case.measure_steps / wall, "tokens_per_s": tokens / wall,
+            "mean_acceptance_length": 1 + drafted / max(steps, 1),
+            "host_work_ms_per_step": 1e3 * (host_s - (core.wait_seconds - wait0)) / case.measure_steps}
+
+
+def _acceptance(core: EngineCore) -> tuple[int, int]:
+    return core.acceptance.num_draft_steps, core.acceptance.num_accepted_tokens
+
+
+def format_row(r: dict) -> str:
+    return (f"batch {r['batch']:4d}  overlap {'on ' if r['overlap'] else 'off'}  k={r['k']}  "
+            f"busy {100 * r['busy_fraction']:5.1f}%  {r['steps_per_s']:6.1f} steps/s  "
+            f"{r['tokens_per_s']:8.1f} tok/s  accept len {r['mean_acceptance_length']:.2f}  "
+            f"host {r['host_work_ms_per_step']:.2f} ms/step")
