@@ -51,7 +51,7 @@ class PagedContext:
         self.write_slots = _safe_slots(batch.slot_mapping.astype("int64"), kv.scratch_slot)  # [T]
         self.token_rows = _token_rows(batch.cu_seqlens_q.astype("int64"), batch.num_tokens, self.max_q)
         self.kv_slots = _kv_slots(batch.block_tables.astype("int64"), kv.block_size, kv.scratch_slot)
-        positions = self._pad_queries(batch.positions.unsqueeze(-1)).squeeze(-1)  # [B, max_q]
+        positions = self._pad_queries(batch.positions).reshape([self.num_seqs, self.max_q])  # [B, max_q]
         self.bias = _paged_bias(positions, batch.seq_lens_kv, self.kv_slots.shape[1])
 
     def attend(self, layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:

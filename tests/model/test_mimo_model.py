@@ -1,0 +1,123 @@
+"""The Paddle model against the NumPy reference, through the paged KV cache, in mixed batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from model_fixtures import Window, make_model, pack, weights_of
+from mtpserve.model.attention_context import DenseCausalContext
+from mtpserve.model.kv_cache import KVCache
+from numpy_reference import Reference
+
+BLOCK = 4
+MAX_BLOCKS = 8
+
+
+def assert_close(actual, expected, rel: float = 1e-4) -> None:
+    """Max error relative to the reference's scale (element-wise rtol is meaningless near zero)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    err = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert err < rel, f"relative error {err:.2e}"
+
+
+def caches(model, num_blocks: int = 32) -> tuple[KVCache, KVCache]:
+    c = model.config
+    main = KVCache.allocate(c.num_hidden_layers, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim)
+    mtp = KVCache.allocate(c.num_nextn_predict_layers, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim)
+    return main, mtp
+
+
+def blocks_for(request: int) -> list[int]:
+    return list(range(request * MAX_BLOCKS, (request + 1) * MAX_BLOCKS))
+
+
+def logits_of(model, batch, kv) -> np.ndarray:
+    return model.compute_logits(model.forward(batch, kv).hidden_states).numpy()
+
+
+def test_prefill_main_and_mtp_logits_match_numpy():
+    model = make_model(seed=1)
+    ref = Reference(weights_of(model), model.config)
+    ids = np.random.default_rng(0).integers(0, 97, 13)
+    kv, mtp_kv = caches(model)
+    batch = pack([Window(ids[:-2].tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS)
+    out = model.forward(batch, kv)
+    ref_logits, ref_hidden = ref.main(ids[:-2])
+    assert_close(model.compute_logits(out.hidden_states).numpy(), ref_logits)
+    # depth 1 reads token t+1, depth 2 reads token t+2, at the same positions 0..S-1
+    d1 = model.mtp_forward(0, batch, paddle.to_tensor(ids[1:-1]), out.mtp_hidden, mtp_kv)
+    ref_d1, ref_h1 = ref.mtp(0, ids[1:-1], ref_hidden)
+    assert_close(model.compute_logits(d1.hidden_states).numpy(), ref_d1)
+    d2 = model.mtp_forward(1, batch, paddle.to_tensor(ids[2:]), d1.mtp_hidden, mtp_kv)
+    assert_close(model.compute_logits(d2.hidden_states).numpy(), ref.mtp(1, ids[2:], ref_h1)[0])
+
+
+def test_untied_head_matches_numpy():
+    model = make_model(seed=2, tie_word_embeddings=False, num_nextn_predict_layers=0)
+    assert "lm_head.weight" in model.state_dict()
+    ids = np.arange(9) * 7 % 97
+    kv, _ = caches(model)
+    got = logits_of(model, pack([Window(ids.tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS), kv)
+    assert_close(got, Reference(weights_of(model), model.config).main(ids)[0])
+
+
+def test_mixed_batch_of_prefill_chunk_decode_and_verify_matches_numpy():
+    """One call carrying a second prefill chunk, a single decode token and a k+1 verify window."""
+    model = make_model(seed=3)
+    ref = Reference(weights_of(model), model.config)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 97, n) for n in (14, 9, 11)]
+    kv, _ = caches(model)
+    # step 1: the cached prefixes (a first chunk for request 0, whole prompts for the others)
+    cut = [6, 8, 8]
+    model.forward(pack([Window(s[:c].tolist(), 0, blocks_for(b)) for b, (s, c) in
+                        enumerate(zip(seqs, cut))], BLOCK, MAX_BLOCKS), kv)
+    # step 2: chunk of 8, one decode token, a verify window of 3
+    step = [Window(s[c:].tolist(), c, blocks_for(b)) for b, (s, c) in enumerate(zip(seqs, cut))]
+    got = logits_of(model, pack(step, BLOCK, MAX_BLOCKS), kv)
+    expected = np.concatenate([ref.main(s)[0][c:] for s, c in zip(seqs, cut)])
+    assert_close(got, expected)
+
+
+def test_incremental_decode_equals_full_recompute():
+    model = make_model(seed=4)
+    ids = np.random.default_rng(2).integers(0, 97, 20)
+    kv, _ = caches(model)
+    full_kv, _ = caches(model)
+    model.forward(pack([Window(ids[:5].tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS), kv)
+    for pos in range(5, 20):
+        step = logits_of(model, pack([Window([int(ids[pos])], pos, blocks_for(0))], BLOCK, MAX_BLOCKS), kv)
+        full = logits_of(model, pack([Window(ids[:pos + 1].tolist(), 0, blocks_for(1))], BLOCK, MAX_BLOCKS),
+                         full_kv)
+        assert_close(step[-1], full[-1], rel=1e-5)
+
+
+def test_invalid_slots_are_not_written_and_do_not_disturb_valid_tokens():
+    """Over-allocated verify tokens (slot -1) leave the cache alone; the valid prefix is unaffected."""
+    model = make_model(seed=5)
+    ref = Reference(weights_of(model), model.config)
+    ids = np.random.default_rng(3).integers(0, 97, 10)
+    kv, _ = caches(model)
+    model.forward(pack([Window(ids[:6].tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS), kv)
+    before = [k.numpy().copy() for k in kv.k]
+    window = Window([int(ids[6]), 11, 12, 13], 6, blocks_for(0), invalid_tail=3)
+    got = logits_of(model, pack([window], BLOCK, MAX_BLOCKS), kv)
+    assert_close(got[:1], ref.main(ids[:7])[0][6:7])
+    for layer, old in enumerate(before):
+        changed = np.flatnonzero(np.abs(kv.k[layer].numpy() - old).reshape(old.shape[0], -1).max(1))
+        assert set(changed.tolist()) <= {6, kv.scratch_slot + 0, *range(kv.scratch_slot, kv.scratch_slot + BLOCK)}
+        assert 6 in changed.tolist()
+
+
+def test_training_context_matches_serving_path():
+    """The dense causal context used for training computes the same logits as the paged path."""
+    model = make_model(seed=6)
+    ids = np.random.default_rng(4).integers(0, 97, (2, 7))
+    dense = model.run(paddle.to_tensor(ids.flatten()), paddle.arange(7, dtype="int64").tile([2]),
+                      DenseCausalContext(2, 7))
+    kv, _ = caches(model)
+    paged = logits_of(model, pack([Window(r.tolist(), 0, blocks_for(b)) for b, r in enumerate(ids)],
+                                  BLOCK, MAX_BLOCKS), kv)
+    assert_close(model.compute_logits(dense.hidden_states).numpy(), paged, rel=1e-5)
