@@ -1,1 +1,47 @@
-"""The Paddle model (rank processes only; imports paddle)."""
+"""The Paddle model: a dense Qwen2-style decoder with MTP layers in the MiMo checkpoint layout.
+
+Rank processes only (imports paddle). Files, along the path of one step:
+  config.py            ModelConfig.from_file(config.json); rejects unknown `architectures`
+  loader.py            load_model(model_dir, tp=SINGLE) -> MiMoForCausalLM (weights + tokenizer check)
+  checkpoint.py        save_checkpoint / load_weights; CheckpointError names missing/unexpected/mis-shaped
+  safetensors_reader.py  memory-mapped safetensors reading (bf16 widened to fp32)
+  forward_batch.py     ForwardBatch: one step's packed tokens + block tables
+  kv_cache.py          KVCache: per-layer paged K/V, one scratch block for invalid slots
+  attention_context.py PagedContext (serving) / DenseCausalContext (training): what attention sees
+  attention_core.py    masked grouped-query attention over padded buffers
+  decoder_layer.py     Attention, MLP, DecoderLayer
+  mtp_layer.py         MTPLayer (model.mtp_layers.{i})
+  mimo_model.py        MiMoForCausalLM: forward, mtp_forward, compute_logits
+  parallel.py          TensorParallel + Column/Row-parallel linears, vocab-parallel embedding and head
+  norm.py, rotary.py   RMSNorm, RoPE
+
+Serving interface (the engine builds against exactly this):
+
+    model = load_model(model_dir)                                  # MiMoForCausalLM, eval mode
+    kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                          cfg.head_dim)
+    mtp_kv = KVCache.allocate(cfg.num_nextn_predict_layers, num_blocks, block_size, ...)
+    out = model.forward(batch: ForwardBatch, kv) -> ModelOutput(hidden_states [T, H], mtp_hidden [T, H])
+    logits = model.compute_logits(out.hidden_states[rows])        # [N, V] float32
+    d = model.mtp_forward(i, batch, token_ids_shifted [T], prev_hidden [T, H], mtp_kv)
+        -> MTPOutput(hidden_states [T, H], mtp_hidden [T, H])
+    draft_logits = model.compute_logits(d.hidden_states[rows])
+
+Semantics and deviations from the first sketch of this interface:
+  * ModelOutput.hidden_states is after the final norm (feed compute_logits); ModelOutput.mtp_hidden is
+    before it (MiMo and DeepSeek-V3 feed the pre-norm state to the first MTP layer). MTPOutput has the
+    same two fields: hidden_states after the layer's final_layernorm (for logits), mtp_hidden before it
+    (the prev_hidden of the next depth).
+  * MTP depth i+1 at position t reads token t+i+1 (`token_ids_shifted`) and depth i's mtp_hidden at t,
+    and predicts token t+i+2. It runs at the same positions and slots as the main model, so `batch`
+    is reused; its KV goes to layer `i % num_mtp_layers` of `mtp_kv` (same block ids as the main
+    cache: one allocator). k larger than the number of MTP layers reuses them cyclically; pass
+    `kv_layer` explicitly then, so the depths do not share a KV layer.
+  * ForwardBatch has one host field, `max_q_len: int` (the longest window this step), which sizes the
+    padded query buffer without reading anything back from the device. The key range is
+    block_tables.shape[1] * block_size: keep the table only as wide as the longest sequence needs.
+  * KVCache tensors are stored flat, [(num_blocks + 1) * block_size, KVH, D]: row = slot number; the
+    extra block is the sink for slot -1, so invalid tokens cost no branch and no host sync.
+  * No per-request Python loop and no host sync in forward/mtp_forward: block tables are expanded to
+    key slots and queries are scattered into a padded [B, max_q] buffer with device index tensors.
+"""

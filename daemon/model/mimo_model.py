@@ -63,14 +63,15 @@ class MiMoForCausalLM(nn.Layer):
         return self.run(batch.input_ids, batch.positions, PagedContext(batch, kv))
 
     def mtp_forward(self, index: int, batch: ForwardBatch, token_ids_shifted: paddle.Tensor,
-                    prev_hidden: paddle.Tensor, mtp_kv: KVCache) -> MTPOutput:
+                    prev_hidden: paddle.Tensor, mtp_kv: KVCache, kv_layer: int | None = None) -> MTPOutput:
         """Run MTP layer `index % num_mtp_layers` on a packed batch with its own KV cache.
 
-        token_ids_shifted: [T], the token after each position; prev_hidden: [T, H], the previous
-        depth's `mtp_hidden` at the same positions. Positions and slots are the batch's.
+        token_ids_shifted: [T], for depth index+1 the token index+1 places after each position;
+        prev_hidden: [T, H], the previous depth's `mtp_hidden` at the same positions. Positions and
+        slots are the batch's. KV goes to `mtp_kv` layer `kv_layer` (default: the layer's index).
         """
         ctx = PagedContext(batch, mtp_kv)
-        return self.run_mtp(index, token_ids_shifted, prev_hidden, batch.positions, ctx)
+        return self.run_mtp(index, token_ids_shifted, prev_hidden, batch.positions, ctx, kv_layer)
 
     def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         """hidden_states: [N, H] (an output's `hidden_states` rows) -> fp32 logits [N, V]."""
@@ -85,9 +86,10 @@ class MiMoForCausalLM(nn.Layer):
         return ModelOutput(hidden_states=self.model.norm(x), mtp_hidden=x)
 
     def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor,
-                positions: paddle.Tensor, ctx: AttentionContext) -> MTPOutput:
+                positions: paddle.Tensor, ctx: AttentionContext, kv_layer: int | None = None) -> MTPOutput:
         layer_index = index % self.num_mtp_layers
         layer = self.model.mtp_layers[layer_index]
         embeds = self.model.embed_tokens(token_ids)  # [T, H]
-        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, layer_index)
+        kv_index = layer_index if kv_layer is None else kv_layer
+        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, kv_index)
         return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)
