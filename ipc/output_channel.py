@@ -114,16 +114,19 @@ class OutputChannel:
         return False
 
     def remove(self) -> None:
-        """Mark closed, remove the queue and the ring (owner only), then unmap."""
+        """Mark closed, remove the queue and the ring (owner only), then unmap. Idempotent."""
         if not self.is_owner:
             raise PermissionError("only the creator removes the channel")
+        if self.ring.is_closed:
+            return
         self.ring.set("closed", 1)
         _remove_queue(self.address)
         self.ring.unlink()
         self.close()
 
     def close(self) -> None:
-        self.ring.close()
+        if not self.ring.is_closed:
+            self.ring.close()
 
 
 def remove_stale(instance: str) -> list[str]:

@@ -79,6 +79,10 @@ class ShmRing:
         if end > self.get("read_pos"):
             self._header["read_pos"] = end
 
+    @property
+    def is_closed(self) -> bool:
+        return self._mm.closed
+
     def close(self) -> None:
         del self._header, self._data
         self._mm.close()

@@ -14,7 +14,7 @@ IPC_RMID = 0
 IPC_STAT = 2
 _MTYPE = ctypes.sizeof(ctypes.c_long)
 # struct msqid_ds offsets on 64-bit Linux (glibc): msg_perm.uid, msg_qnum, msg_lspid, msg_lrpid
-_UID_OFFSET, _QNUM_OFFSET, _LSPID_OFFSET, _LRPID_OFFSET = 4, 80, 96, 100
+_UID_OFFSET, _MODE_OFFSET, _QNUM_OFFSET, _LSPID_OFFSET, _LRPID_OFFSET = 4, 20, 80, 96, 100
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.msgget.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -68,6 +68,11 @@ def _u32(raw: bytes, offset: int) -> int:
 
 def owner_uid(qid: int) -> int:
     return _u32(_stat(qid), _UID_OFFSET)
+
+
+def mode(qid: int) -> int:
+    """Permission bits of the queue."""
+    return _u32(_stat(qid), _MODE_OFFSET) & 0o777
 
 
 def last_pids(qid: int) -> tuple[int, int]:
