@@ -40,7 +40,7 @@ class SseWriter:
         await self.response.write(b"".join(map(event, objs)))
 
     async def send_error(self, error: ApiError) -> None:
-        await self.response.write(event(error.body()) + DONE)
+        await self.response.write(event(error.body()))
 
     async def finish(self) -> web.StreamResponse:
         await self.response.write(DONE)
