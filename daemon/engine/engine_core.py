@@ -105,7 +105,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return False
-        step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids)
+        step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
+                                   self.config.scheduler.num_speculative_tokens)
         self._inflight.append((plan, self.runner.launch(step_plan)))
         return True
 

@@ -82,10 +82,14 @@ def _sorted_threshold(probs: paddle.Tensor, p: RowParams) -> paddle.Tensor:
     return paddle.take_along_axis(ordered, (num_keep - 1).unsqueeze(-1), axis=1)
 
 
-def target_probs(logits: paddle.Tensor, counts: paddle.Tensor, prompt_mask: paddle.Tensor,
+def target_probs(logits: paddle.Tensor, counts: paddle.Tensor | None, prompt_mask: paddle.Tensor | None,
                  p: RowParams) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """The distribution each row samples from, and the greedy choice. -> probs [N, V], argmax [N]."""
-    logits = apply_penalties(logits.astype("float32"), counts, prompt_mask, p)
+    """The distribution each row samples from, and the greedy choice. -> probs [N, V], argmax [N].
+
+    counts/prompt_mask None: no row has a penalty (host-known), so that work is skipped."""
+    logits = logits.astype("float32")
+    if counts is not None:
+        logits = apply_penalties(logits, counts, prompt_mask, p)
     logits = mask_stops_before_min_tokens(logits, p)
     greedy_ids = paddle.argmax(logits, axis=-1)
     temperature = paddle.where(p.temperature > 0, p.temperature, paddle.ones_like(p.temperature))

@@ -62,13 +62,17 @@ class StepPlan:
     start_pos: np.ndarray  # [B] int64: first position of a prefill chunk (decode: unused)
     emits: np.ndarray  # [B] bool: decode windows and last prefill chunks produce tokens
     prefill_ids: np.ndarray  # [sum of prefill chunk lengths] int64, in row order
+    # NOTE: MTP depth i at position t reads the token at t+i+1; near a chunk's end that token lies in
+    # the next chunk, which only the host has.
+    prefill_next_ids: np.ndarray  # [B, k] int64: the k prompt tokens after each prefill chunk, -1 past it
 
     @property
     def num_rows(self) -> int:
         return int(self.slots.shape[0])
 
     @classmethod
-    def build(cls, step_id: int, plan: SchedulePlan, eos_token_ids: tuple[int, ...]) -> StepPlan:
+    def build(cls, step_id: int, plan: SchedulePlan, eos_token_ids: tuple[int, ...],
+              num_speculative_tokens: int = 0) -> StepPlan:
         rows = plan.rows
         chunks = [r.request.prefill_ids[r.start_pos:r.start_pos + r.num_tokens]
                   for r in rows if r.is_prefill]
@@ -81,7 +85,18 @@ class StepPlan:
             num_tokens=np.fromiter((r.num_tokens for r in rows), np.int64, len(rows)),
             start_pos=np.fromiter((r.start_pos for r in rows), np.int64, len(rows)),
             emits=np.fromiter((r.emits for r in rows), bool, len(rows)),
-            prefill_ids=np.concatenate(chunks) if chunks else np.zeros(0, np.int64))
+            prefill_ids=np.concatenate(chunks) if chunks else np.zeros(0, np.int64),
+            prefill_next_ids=_next_ids(rows, num_speculative_tokens))
+
+
+def _next_ids(rows, k: int) -> np.ndarray:
+    out = np.full((len(rows), k), -1, np.int64)
+    if k:
+        for i, r in enumerate(rows):
+            if r.is_prefill:
+                after = r.request.prefill_ids[r.start_pos + r.num_tokens:r.start_pos + r.num_tokens + k]
+                out[i, :after.shape[0]] = after
+    return out
 
 
 class StepResult(NamedTuple):

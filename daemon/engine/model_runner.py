@@ -1,0 +1,133 @@
+"""The Paddle model runner: one step = target forward over prefill chunks and k+1-token verify
+windows, sampling/verification on the target rows, stop checks, then MTP drafts for the next step.
+
+On a CPU host the "device" is a dedicated execution thread (Paddle releases the GIL inside its
+kernels) and the slot state lives in numpy arrays that only that thread touches; the host thread only
+ever waits on a step's future. A GPU port keeps the same shapes with the slot state in device tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import paddle
+
+from mtpserve.engine import rng
+from mtpserve.engine.device_stream import DeviceStream
+from mtpserve.engine.mtp_proposer import MTPProposer
+from mtpserve.engine.sampler import choose, target_probs
+from mtpserve.engine.slot_sampling import SlotSampling
+from mtpserve.engine.slot_state import SlotState, Window
+from mtpserve.engine.spec_verify import verify
+from mtpserve.engine.step_plan import StepPlan, StepResult
+from mtpserve.model.forward_batch import ForwardBatch
+from mtpserve.model.kv_cache import KVCache
+from mtpserve.model.mimo_model import MiMoForCausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunnerConfig:
+    max_num_seqs: int = 64
+    num_blocks: int = 1024
+    block_size: int = 16
+    num_speculative_tokens: int = 0
+    kv_dtype: str = "float32"
+
+
+class Verified:
+    """A step's target decisions per row: tokens [B, k+1] (-1 padded), counts [B] (numpy)."""
+
+    def __init__(self, token_ids: np.ndarray, num_emitted: np.ndarray, num_accepted: np.ndarray):
+        self.token_ids, self.num_emitted, self.num_accepted = token_ids, num_emitted, num_accepted
+
+
+class PaddleModelRunner:
+    def __init__(self, model: MiMoForCausalLM, config: ModelRunnerConfig) -> None:
+        mc = model.config
+        k = config.num_speculative_tokens
+        if k and model.num_mtp_layers == 0:
+            raise ValueError("num_speculative_tokens > 0 needs a model with MTP layers")
+        self.model, self.config = model, config
+        self.vocab_size, self.num_speculative_tokens = mc.vocab_size, k
+        kv_args = (config.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim, config.kv_dtype)
+        self.kv = KVCache.allocate(mc.num_hidden_layers, *kv_args)
+        self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
+        self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
+        mtp_kv = [KVCache.allocate(model.num_mtp_layers, *kv_args) for _ in range(k)]
+        self.proposer = MTPProposer(model, mtp_kv) if k else None
+        self._stream = DeviceStream("model-device")
+
+    def launch(self, plan: StepPlan):
+        return self._stream.submit(self._execute, plan)
+
+    def busy_seconds(self) -> float:
+        return self._stream.busy_seconds()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    # ---- device side ----------------------------------------------------------------------------
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        with paddle.no_grad():
+            self.state.apply_writes(plan)
+            self.sampling.apply_inserts(plan)
+            win = self.state.window(plan)
+            batch = self._forward_batch(plan, win)
+            out = self.model.forward(batch, self.kv)
+            rows = self._verify_rows(plan, win)  # [B, k+1]
+            logits = self.model.compute_logits(paddle.gather(out.hidden_states, paddle.to_tensor(rows.reshape(-1))))
+            v = self._decide(plan, logits)
+            tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
+            self.sampling.count(plan.slots, tokens)
+            if self.proposer is not None:
+                self.proposer.propose(plan, win, batch, out.mtp_hidden, v, num_emitted, reason, self.state)
+            return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid)
+
+    def _forward_batch(self, plan: StepPlan, win: Window) -> ForwardBatch:
+        seq_lens_kv = win.start + plan.num_tokens
+        max_blocks = int(-(-seq_lens_kv.max() // self.config.block_size))
+        tables = self.state.block_table[plan.slots, :max_blocks]
+        return ForwardBatch(
+            input_ids=paddle.to_tensor(win.token_ids), positions=paddle.to_tensor(win.positions),
+            slot_mapping=paddle.to_tensor(win.slot_mapping),
+            cu_seqlens_q=paddle.to_tensor(win.cu.astype(np.int32)),
+            seq_lens_kv=paddle.to_tensor(seq_lens_kv.astype(np.int32)),
+            block_tables=paddle.to_tensor(tables.astype(np.int32)),
+            max_q_len=int(plan.num_tokens.max()))
+
+    def _verify_rows(self, plan: StepPlan, win: Window) -> np.ndarray:
+        """Flat token index of each verify row: the k+1 window positions of a decode row; the last
+        chunk position (repeated) for a prefill row. -> [B, k+1]."""
+        col = np.arange(self.num_speculative_tokens + 1)[None, :]
+        decode = win.cu[:-1, None] + col
+        last = (win.cu[1:] - 1)[:, None] + 0 * col
+        return np.where(plan.is_prefill[:, None], last, decode)
+
+    def _decide(self, plan: StepPlan, logits: paddle.Tensor) -> Verified:
+        """Penalties and filters on every verify row, then greedy/rejection verification of decode
+        rows and a plain draw for prefill rows. logits: [B*(k+1), V]."""
+        k = self.num_speculative_tokens
+        slots, b = plan.slots, plan.num_rows
+        drafts = self.state.drafts[slots]  # [B, k]
+        out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
+        params = self.sampling.row_params(slots, out_index, self.state)
+        counts, mask = self.sampling.penalty_inputs(slots, drafts) or (None, None)
+        probs, greedy = target_probs(logits, counts, mask, params)
+        keys = params.keys.reshape([b, k + 1])
+        idx = params.out_index.reshape([b, k + 1])
+        u_sample = rng.uniforms(keys, idx, rng.Purpose.SAMPLE)  # [B, k+1]
+        temperature = params.temperature.reshape([b, k + 1])[:, 0]
+        first = choose(probs.reshape([b, k + 1, -1])[:, 0], greedy.reshape([b, k + 1])[:, 0],
+                       u_sample[:, 0], temperature).numpy()
+        if k == 0:
+            return Verified(first[:, None], np.ones(b, np.int64), np.zeros(b, np.int64))
+        u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
+        res = verify(probs.reshape([b, k + 1, -1]), greedy.reshape([b, k + 1]), paddle.to_tensor(drafts),
+                     None, u_accept, u_sample, temperature)
+        tokens, emitted, accepted = res.token_ids.numpy(), res.num_emitted.numpy(), res.num_accepted.numpy()
+        pre = plan.is_prefill
+        tokens[pre] = -1
+        tokens[pre, 0] = first[pre]
+        return Verified(tokens, np.where(pre, 1, emitted), np.where(pre, 0, accepted))

@@ -1,0 +1,70 @@
+"""MTP drafting: k draft tokens per running request from the model's MTP layers, chained by depth.
+
+Layout (MiMo/DeepSeek): MTP depth i at position t reads the previous depth's hidden state at t (the
+main model's pre-norm hidden for i = 0) and the token at t+i+1, and predicts the token at t+i+2. Depth
+i runs layer i % num_mtp_layers, so k larger than the number of layers reuses them cyclically.
+
+Per step, every depth runs over the same packed positions as the target pass (fixed shapes, no host
+sync to learn how many drafts were accepted). For a row whose first token is at position s, `ahead[b, j]`
+holds the token at s+j+1: the emitted tokens of a decode window (then its new drafts), or the rest of
+a prefill chunk, the next chunk's first tokens, and the sampled token. The row's frontier offset o is
+its last accepted position; depth i's output there is draft i+1, written to ahead[b, o+i+1]. Offsets
+past the frontier are filled with a placeholder; their MTP KV is rewritten before anything reads it.
+
+NOTE: each depth has its own KV cache even when layers are reused, so depth i never overwrites the
+context keys of depth i-L. Depth i >= 1 keys at the few positions before each step's frontier were
+computed from draft tokens and are not recomputed; that can only lower acceptance, never change output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from mtpserve.engine.slot_state import SlotState, Window
+from mtpserve.engine.step_plan import StepPlan
+from mtpserve.model.forward_batch import ForwardBatch
+from mtpserve.model.kv_cache import KVCache
+from mtpserve.model.mimo_model import MiMoForCausalLM
+
+
+class MTPProposer:
+    def __init__(self, model: MiMoForCausalLM, kv_per_depth: list[KVCache]) -> None:
+        self.model, self.kv, self.k = model, kv_per_depth, len(kv_per_depth)
+
+    def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, main_hidden: paddle.Tensor,
+                verified, num_emitted: np.ndarray, reason: np.ndarray, state: SlotState) -> None:
+        """Run the k depths and store the drafts of rows that keep generating into `state.drafts`."""
+        frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
+        ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
+        offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
+        at_frontier = paddle.to_tensor(win.cu[:-1] + frontier)  # [B]
+        rows = np.arange(plan.num_rows)
+        hidden = main_hidden
+        for depth in range(self.k):
+            shifted = paddle.to_tensor(ahead[win.row_of, offset + depth])  # [T]
+            out = self.model.mtp_forward(depth, batch, shifted, hidden, self.kv[depth])
+            logits = self.model.compute_logits(paddle.gather(out.hidden_states, at_frontier))  # [B, V]
+            ahead[rows, frontier + depth + 1] = paddle.argmax(logits, axis=-1).numpy()
+            hidden = out.mtp_hidden
+        live = (num_emitted > 0) & (reason == 0)
+        drafts = ahead[rows[:, None], frontier[:, None] + 1 + np.arange(self.k)[None, :]]  # [B, k]
+        state.drafts[plan.slots[live]] = drafts[live]
+
+    def _ahead(self, plan: StepPlan, win: Window, token_ids: np.ndarray) -> np.ndarray:
+        """[B, W] with W = longest row + k + 1: the token after each position, as far as known."""
+        width = int(plan.num_tokens.max()) + self.k + 1
+        ahead = np.zeros((plan.num_rows, width), np.int64)  # 0 = placeholder, a valid id
+        decode = ~plan.is_prefill
+        emitted = np.where(token_ids >= 0, token_ids, 0)
+        ahead[decode, :emitted.shape[1]] = emitted[decode]
+        for b in np.nonzero(plan.is_prefill)[0]:
+            n = int(plan.num_tokens[b])
+            chunk = win.token_ids[win.cu[b]:win.cu[b + 1]]
+            tail = np.where(plan.emits[b], token_ids[b, :1], plan.prefill_next_ids[b, :1])
+            ahead[b, :n - 1] = chunk[1:]
+            ahead[b, n - 1] = max(int(tail[0]), 0) if tail.size else 0
+            if not plan.emits[b] and self.k > 1:
+                nxt = plan.prefill_next_ids[b, 1:]
+                ahead[b, n:n + nxt.shape[0]] = np.maximum(nxt, 0)
+        return ahead

@@ -1,0 +1,162 @@
+"""The engine core with the real Paddle model (tiny, random weights): MTP never changes greedy output,
+penalties apply to verify rows, seeded sampling ignores batch neighbours, drafts follow the MTP layout."""
+
+import numpy as np
+import paddle
+import pytest
+
+from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
+from mtpserve.engine.request import EngineRequest, SamplingParams
+from mtpserve.engine.scheduler import SchedulerConfig
+from mtpserve.model.attention_context import DenseCausalContext
+from mtpserve.model.config import ModelConfig
+from mtpserve.model.mimo_model import MiMoForCausalLM
+
+VOCAB = 97
+
+
+def tiny_model(seed=0, mtp_layers=1):
+    paddle.seed(seed)
+    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80,
+                                        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                        num_nextn_predict_layers=mtp_layers))
+    gen = np.random.default_rng(seed)
+    for name, p in model.state_dict().items():
+        scale = gen.standard_normal(p.shape)
+        value = 1.0 + 0.2 * scale if name.endswith("norm.weight") else 0.15 * scale
+        p.set_value(paddle.to_tensor(value.astype(np.float32)))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def make_core(model, k=0, overlap=True, num_blocks=256, max_num_seqs=16):
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_prefill_chunk=16,
+                            num_speculative_tokens=k, num_blocks=num_blocks, block_size=8)
+    runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                                                        block_size=8, num_speculative_tokens=k))
+    return EngineCore(EngineConfig(sched, overlap=overlap), runner)
+
+
+def prompts(n, seed=0):
+    gen = np.random.default_rng(seed)
+    return [tuple(int(t) for t in gen.integers(1, VOCAB, int(gen.integers(3, 30)))) for _ in range(n)]
+
+
+def run(core, requests, batch):
+    pending, outs = list(requests), {}
+    while pending or core.has_unfinished_requests():
+        while pending and core.scheduler.num_unfinished < batch:
+            core.add_request(pending.pop(0))
+        out = core.step()
+        for i, rid in enumerate(out.request_ids):
+            outs.setdefault(rid, []).extend(out.tokens_of(i).tolist())
+    assert core.scheduler.blocks.num_free_blocks == core.scheduler.config.num_blocks
+    core.close()
+    return outs
+
+
+def greedy_requests(texts, max_tokens=12, **kw):
+    return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw))
+            for i, p in enumerate(texts)]
+
+
+def dense_logits(model, tokens):
+    """Main-model logits of a whole sequence without the paged cache: [S, V], plus MTP hidden."""
+    ids = paddle.to_tensor(np.asarray(tokens, np.int64))
+    ctx = DenseCausalContext(1, len(tokens))
+    out = model.run(ids, paddle.arange(len(tokens), dtype="int64"), ctx)
+    return model.compute_logits(out.hidden_states).numpy(), out, ctx
+
+
+def top2_gap(model, tokens):
+    logits = dense_logits(model, tokens)[0][-1]
+    logprobs = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    top = np.sort(logprobs)[-2:]
+    return float(top[1] - top[0])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_equals_plain_greedy_at_batch_1(model, k):
+    texts = prompts(12)
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts), batch=1)
+    assert run(make_core(model, k=k), greedy_requests(texts), batch=1) == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_equals_plain_greedy_on_50_prompts(model, k):
+    texts = prompts(50, seed=1)
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 24), batch=1)
+    assert run(make_core(model, k=k), greedy_requests(texts, 24), batch=1) == ref
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_batch_16_diverges_only_at_near_ties(model, k):
+    texts = prompts(32, seed=2)
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 16), batch=1)
+    got = run(make_core(model, k=k), greedy_requests(texts, 16), batch=16)
+    for rid, tokens in got.items():
+        if tokens != ref[rid]:
+            first = next(i for i, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b)
+            prefix = list(texts[int(rid[1:])]) + ref[rid][:first]
+            assert top2_gap(model, prefix) < 1e-3, f"{rid} diverged at {first} without a near-tie"
+
+
+def test_penalties_apply_to_verify_rows_like_plain_decoding(model):
+    texts = prompts(8, seed=3)
+    kw = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 20, **kw), batch=1)
+    plain = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 20), batch=1)
+    assert ref != plain  # the penalties matter for these prompts
+    assert run(make_core(model, k=3), greedy_requests(texts, 20, **kw), batch=8) == ref
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_seeded_sampling_ignores_batch_neighbours(model, k):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=1234, max_tokens=16)
+    target = EngineRequest("target", prompts(1, seed=4)[0], params)
+    alone = run(make_core(model, k=k), [target], batch=1)["target"]
+    gen = np.random.default_rng(5)
+    others = [EngineRequest(f"n{i}", p, SamplingParams(temperature=float(gen.uniform(0, 2)), max_tokens=16,
+                                                       seed=int(gen.integers(1 << 30)) if i % 2 else None))
+              for i, p in enumerate(prompts(9, seed=6))]
+    crowd = run(make_core(model, k=k), others[:5] + [target] + others[5:], batch=10)
+    assert crowd["target"] == alone
+    unseeded = EngineRequest("free", target.prompt_ids, SamplingParams(temperature=1.0, max_tokens=16))
+    assert run(make_core(model, k=k), [unseeded], 1)["free"] != alone  # the seed is what fixes it
+
+
+def test_first_draft_is_the_dense_mtp_prediction(model):
+    core = make_core(model, k=1, overlap=False)
+    prompt = prompts(1, seed=7)[0]
+    core.add_request(EngineRequest("a", prompt, SamplingParams(temperature=0.0, max_tokens=10)))
+    tokens = list(prompt)
+    checked = 0
+    while core.has_unfinished_requests():
+        out = core.step()
+        req = core.scheduler.get("a")
+        tokens += out.tokens_of(0).tolist() if out.request_ids else []
+        if req is None or req.is_prefilling:
+            continue
+        _, main, ctx = dense_logits(model, tokens)
+        shifted = paddle.to_tensor(np.asarray(tokens[1:] + [0], np.int64))
+        mtp = model.run_mtp(0, shifted, main.mtp_hidden, paddle.arange(len(tokens), dtype="int64"), ctx)
+        expected = int(np.argmax(model.compute_logits(mtp.hidden_states).numpy()[-2]))
+        assert core.runner.state.drafts[req.slot, 0] == expected
+        checked += 1
+    core.close()
+    assert checked >= 3
+
+
+def test_preemption_with_the_model_keeps_greedy_output(model):
+    texts = prompts(12, seed=8)
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 16), batch=1)
+    core = make_core(model, k=2, num_blocks=24)
+    assert run(core, greedy_requests(texts, 16), batch=12) == ref
+    assert core.scheduler.num_preemptions > 0
