@@ -45,7 +45,7 @@ class Kind(enum.IntEnum):
 
 
 class Flag(enum.IntFlag):
-    LOGPROBS = 0x01  # the four logprob sections are present
+    LOGPROBS = 0x01  # the four logprob sections are present (only when N > 0)
     IN_RING = 0x02  # the payload is in the shared-memory ring at header.ring_pos
 
 

@@ -35,7 +35,7 @@ def encode_token_frame(kind: wire.Kind, *, req_ids, seq, num_tokens, finish, tok
                        logprob=None, rank=None, topk_ids=None, topk_logprobs=None, draft_ids=None,
                        step_id: int = 0, frame_seq: int = 0, instance_tag: int = 0) -> bytes:
     """One unchunked token frame (header + payload). topk_ids/topk_logprobs: [N, K]."""
-    lp = logprob is not None
+    lp = logprob is not None and int(np.sum(num_tokens)) > 0  # no tokens: no logprob sections
     k = int(np.shape(topk_ids)[1]) if lp else 0
     d = int(np.shape(draft_ids)[1]) if draft_ids is not None else 0
     shape = wire.Shape(len(req_ids), int(np.sum(num_tokens)), k, d, lp)

@@ -187,15 +187,16 @@ FrameHeader PackTokenFrame(const StepTensors& s, const FrameMeta& meta, std::vec
   Check(!s.has_logprobs || s.num_topk <= s.topk_cols, "num_topk exceeds the top-k tensor width");
   Check(s.draft_width >= 0 && s.draft_width <= mtp_wire::kMaxDraftWidth, "draft width too large");
   const Batch batch = SelectBatch(s);
-  const int64_t k = s.has_logprobs ? s.num_topk : 0;
-  const SectionPlan plan = PlanSections(batch.slots.size(), batch.num_tokens, k, s.draft_width, s.has_logprobs);
+  const bool logprobs = s.has_logprobs && batch.num_tokens > 0;  // NOTE: no tokens, no logprob sections
+  const int64_t k = logprobs ? s.num_topk : 0;
+  const SectionPlan plan = PlanSections(batch.slots.size(), batch.num_tokens, k, s.draft_width, logprobs);
   payload->assign(plan.payload_len, 0);  // NOTE: zero padding keeps frames bit-reproducible
   PackRequests(s, batch, plan, payload);
   PackTokens(s, batch, plan, payload);
-  if (s.has_logprobs) PackLogprobs(s, batch, plan, payload);
+  if (logprobs) PackLogprobs(s, batch, plan, payload);
   if (s.draft_width) PackDrafts(s, batch, plan, payload);
   FrameHeader h = BaseHeader(meta, plan.payload_len, payload->data());
-  h.flags = static_cast<uint8_t>((s.has_logprobs ? mtp_wire::kFlagLogprobs : 0) & mtp_wire::kKnownFlags);
+  h.flags = static_cast<uint8_t>((logprobs ? mtp_wire::kFlagLogprobs : 0) & mtp_wire::kKnownFlags);
   h.num_reqs = static_cast<uint32_t>(batch.slots.size());
   h.num_tokens = static_cast<uint32_t>(batch.num_tokens);
   h.topk = static_cast<uint16_t>(k & 0xFFFF);

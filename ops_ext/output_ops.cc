@@ -50,17 +50,20 @@ void SetTokens(const paddle::Tensor& token_ids, StepTensors* s) {
   PD_CHECK(shape.size() == 1 || shape[0] == s->num_slots, "padded token_ids must have B rows");
 }
 
+// NOTE: Paddle passes an empty tensor ([N, 0] top-k) as absent, so top-k may be missing when K is 0.
 void SetLogprobs(const OptTensor& logprob, const OptTensor& rank, const OptTensor& topk_ids,
                  const OptTensor& topk_logprobs, StepTensors* s) {
-  const int present = logprob.is_initialized() + rank.is_initialized() + topk_ids.is_initialized() +
-                      topk_logprobs.is_initialized();
-  PD_CHECK(present == 0 || present == 4, "logprob, rank, topk_ids and topk_logprobs go together");
-  s->has_logprobs = present == 4;
+  PD_CHECK(logprob.is_initialized() == rank.is_initialized() &&
+               topk_ids.is_initialized() == topk_logprobs.is_initialized() &&
+               (logprob.is_initialized() || !topk_ids.is_initialized()),
+           "logprob and rank go together, top-k ids and logprobs go together and need them");
+  s->has_logprobs = logprob.is_initialized();
   if (!s->has_logprobs) return;
   PD_CHECK(logprob->numel() == s->num_token_rows && rank->numel() == s->num_token_rows,
            "logprob and rank must match token_ids");
   s->logprob = Floats(*logprob, "logprob");
   s->rank = Ints(*rank, "rank");
+  if (!topk_ids.is_initialized()) return;
   s->topk_cols = topk_ids->shape().back();
   PD_CHECK(topk_ids->numel() == s->num_token_rows * s->topk_cols &&
                topk_logprobs->numel() == topk_ids->numel(), "top-k tensors must be [rows of token_ids, K]");
