@@ -34,7 +34,8 @@ class Timed(NamedTuple):
 
 class ChoiceState:
     def __init__(self, index: int, engine_id: int, detokenizer: IncrementalDetokenizer,
-                 stops: list[str], top_width: int, metrics: ServerMetrics, arrival: float) -> None:
+                 stops: list[str], top_width: int | None, metrics: ServerMetrics, arrival: float) -> None:
+        """top_width: top-k entries per token to return; None when the request asked for no logprobs."""
         self.index, self.engine_id = index, engine_id
         self._detok, self._stop = detokenizer, StopStringMatcher(stops)
         self._top_width, self._metrics = top_width, metrics
@@ -84,6 +85,8 @@ class ChoiceState:
 
     def _update(self, merged: TokenDelta, text: str, keep: int, finish: str | None) -> ChoiceUpdate:
         width = self._top_width
+        if width is None:  # NOTE: a frame carries logprobs for all its rows if any row asked
+            return ChoiceUpdate(self.index, text, merged.token_ids[:keep], None, None, None, finish)
         top_ids = [row[:width] for row in merged.top_ids[:keep]] if merged.top_ids is not None else None
         top_lps = [row[:width] for row in merged.top_logprobs[:keep]] if merged.top_logprobs is not None else None
         logprobs = merged.logprobs[:keep] if merged.logprobs is not None else None

@@ -113,7 +113,7 @@ class EngineClient:
                            code="rate_limit_exceeded")
 
     def _make_choices(self, req: GenerateRequest) -> list[ChoiceState]:
-        width = req.params.top_logprobs
+        width = req.params.top_logprobs if req.params.logprobs else None
         return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder), req.stops, width,
                             self._metrics, req.arrival)
                 for index in range(len(req.prompts) * req.n)]

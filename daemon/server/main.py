@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path, help="config.json written by the launcher into the runtime dir")
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config.read_bytes(), type=Config)
-    from mtpserve.server.output_reader import open_output
+    from mtpserve.server.output_source import open_output
 
     return run(config, args.config.resolve().parent, open_output)
 

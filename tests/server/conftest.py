@@ -81,18 +81,38 @@ import sys  # noqa: E402
 import aiohttp  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 
-from fake_output import FakeOutputSource  # noqa: E402
+import uuid  # noqa: E402
+
+from mtpserve.ipc.output_channel import OutputChannel  # noqa: E402
 from mtpserve.server.app import make_app  # noqa: E402
+from mtpserve.server.output_source import open_output  # noqa: E402
 from mtpserve.server.context import HttpSettings  # noqa: E402
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 MODEL_NAME = "tiny-test"
 
 
-def start_fake_engine(runtime_dir: Path, vocab_size: int, *extra: str) -> subprocess.Popen:
-    runtime_dir.mkdir(mode=0o700, exist_ok=True)
-    return subprocess.Popen([sys.executable, str(FAKE_ENGINE), str(runtime_dir), "--vocab-size", str(vocab_size),
-                             *extra], cwd=FAKE_ENGINE.parent)
+class FakeEngineProcess:
+    """The supervisor's part for a test: own the output channel, run the fake engine, clean up."""
+
+    def __init__(self, runtime_dir: Path, vocab_size: int, *extra: str) -> None:
+        runtime_dir.mkdir(mode=0o700, exist_ok=True)
+        self.instance = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.channel = OutputChannel.create(self.instance, "posix")
+        self.proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), str(runtime_dir), self.instance,
+                                      "--vocab-size", str(vocab_size), *extra], cwd=FAKE_ENGINE.parent)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.channel.remove()
+
+
+def start_fake_engine(runtime_dir: Path, vocab_size: int, *extra: str) -> FakeEngineProcess:
+    return FakeEngineProcess(runtime_dir, vocab_size, *extra)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -104,8 +124,7 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-async def open_fake_output(ready):
-    return await FakeOutputSource.open(ready.output_channel)
+open_fake_output = open_output  # the server's real adapter over ipc's OutputReader
 
 
 async def wait_healthy(base_url: str, timeout_s: float = 20.0) -> None:
@@ -143,4 +162,4 @@ async def fake_server(tmp_path, text_model, settings, engine_args):
         yield base_url, app
     finally:
         await server.close()
-        stop_process(proc)
+        proc.stop()

@@ -1,13 +1,14 @@
 """A fake engine process for the HTTP process's end-to-end tests, before the real engine exists.
 
-It speaks the real request channel (ipc/request_channel.py) and writes outputs through an output
-sink (fake_output.py). Generation is deterministic and checkable: output token i of a request is
+It speaks the real request channel (ipc/request_channel.py) and writes real wire frames on the
+instance's real POSIX queue (fake_frames.py); the channel itself is created by the test, as the
+supervisor would. Generation is deterministic and checkable: output token i of a request is
 prompt[i % len(prompt)]; the first step emits one token (prefill), later steps 1..k+1 tokens (a
 fixed pattern standing in for MTP acceptance); logprobs are a function of the token id, with a
 descending top-k whose first entry is the sampled token. KV blocks are accounted per request, so
 tests can watch them return to idle after aborts.
 
-Usage: python fake_engine.py RUNTIME_DIR [--vocab-size V] [--max-model-len L] [--k K] [--step-ms MS]
+Usage: python fake_engine.py RUNTIME_DIR INSTANCE [--vocab-size V] [--max-model-len L] [--k K] [--step-ms MS]
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ import uvloop
 from mtpserve.ipc.request_channel import (
     AbortRequest, AddRequest, EngineReady, EngineStats, RequestChannelServer, SamplingParams,
 )
-from fake_output import FakeOutputSink, OutputRecord
+from fake_frames import FrameSink, OutputRow
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
+VOCAB_SIZE = [1200]  # set from --vocab-size at start
 
 
 def fake_logprob(token_id: int) -> float:
     return -0.05 * (1 + token_id % 11)
 
 
-def fake_top(token_id: int, width: int, vocab_size: int) -> tuple[list[int], list[float]]:
+def fake_top(token_id: int, width: int) -> tuple[list[int], list[float]]:
     """Sampled token first, then its successors with strictly lower logprobs."""
-    ids = [(token_id + j) % vocab_size for j in range(width)]
+    ids = [(token_id + j) % VOCAB_SIZE[0] for j in range(width)]
     return ids, [fake_logprob(token_id) - 0.5 * j for j in range(width)]
 
 
@@ -54,7 +56,7 @@ class FakeRequest:
 
 
 class FakeEngine:
-    def __init__(self, server: RequestChannelServer, sink: FakeOutputSink, args: argparse.Namespace) -> None:
+    def __init__(self, server: RequestChannelServer, sink: FrameSink, args: argparse.Namespace) -> None:
         self.server, self.sink, self.args = server, sink, args
         self.running: dict[int, FakeRequest] = {}
         self.step_id = 0
@@ -67,7 +69,8 @@ class FakeEngine:
         while True:
             self.intake()
             if self.running:
-                await self.sink.send(self.step())
+                width = max(r.params.top_logprobs for r in self.running.values())
+                await self.sink.send(self.step(), self.step_id, width)
             if loop.time() - last_stats > 0.05:
                 self.server.send(self.stats())
                 last_stats = loop.time()
@@ -81,7 +84,7 @@ class FakeEngine:
                 for rid in msg.request_ids:
                     self.running.pop(rid, None)
 
-    def step(self) -> list[OutputRecord]:
+    def step(self) -> list[OutputRow]:
         self.step_id += 1
         records = [self._advance(req) for req in self.running.values()]
         for record in records:
@@ -89,7 +92,7 @@ class FakeEngine:
                 del self.running[record.request_id]
         return records
 
-    def _advance(self, req: FakeRequest) -> OutputRecord:
+    def _advance(self, req: FakeRequest) -> OutputRow:
         want = 1 if req.steps == 0 else 1 + (req.add.request_id + req.steps) % (self.args.k + 1)
         if req.steps > 0 and self.args.k:
             self._count_spec(want - 1)
@@ -100,8 +103,9 @@ class FakeEngine:
             token = prompt[(len(req.generated) + len(new)) % len(prompt)]
             new.append(token)
             finish = self._finish_reason(req, token, len(req.generated) + len(new))
+        row = OutputRow(req.add.request_id, len(req.generated), new, params.logprobs, finish)
         req.generated += new
-        return self._record(req.add.request_id, new, params, finish)
+        return row
 
     def _finish_reason(self, req: FakeRequest, token: int, num_generated: int) -> str | None:
         params = req.params
@@ -111,13 +115,6 @@ class FakeEngine:
         if num_generated >= params.max_tokens:
             return "length"
         return None
-
-    def _record(self, rid: int, tokens: list[int], params: SamplingParams, finish: str | None) -> OutputRecord:
-        if not params.logprobs:
-            return OutputRecord(rid, tokens, None, None, None, finish)
-        tops = [fake_top(t, params.top_logprobs, self.args.vocab_size) for t in tokens]
-        return OutputRecord(rid, tokens, [fake_logprob(t) for t in tokens], [t[0] for t in tops],
-                            [t[1] for t in tops], finish)
 
     def _count_spec(self, accepted: int) -> None:
         self.num_drafts += 1
@@ -135,23 +132,25 @@ class FakeEngine:
 
 
 async def amain(args: argparse.Namespace) -> None:
+    VOCAB_SIZE[0] = args.vocab_size
     server = await RequestChannelServer.start(args.runtime_dir)
-    sink = await FakeOutputSink.create(args.runtime_dir)
+    sink = FrameSink(args.instance)
     engine = FakeEngine(server, sink, args)
     server.set_ready(EngineReady(model_name="fake", max_model_len=args.max_model_len, vocab_size=args.vocab_size,
                                  eos_token_ids=[args.eos_id], num_speculative_tokens=args.k,
                                  num_kv_blocks=NUM_BLOCKS, kv_block_size=BLOCK_SIZE,
-                                 output_channel=sink.descriptor))
+                                 output_channel=args.instance))
     try:
         await engine.run()
     finally:
-        await sink.close()
+        sink.close()
         await server.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runtime_dir", type=Path)
+    parser.add_argument("instance", help="output channel instance name (created by the test)")
     parser.add_argument("--vocab-size", type=int, default=1200)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--eos-id", type=int, default=0)

@@ -4,7 +4,7 @@ the stream started (SSE error event then [DONE])."""
 import aiohttp
 import pytest
 
-from conftest import start_fake_engine, stop_process, wait_healthy
+from conftest import start_fake_engine, wait_healthy
 from test_streams import LONG, read_events
 
 
@@ -63,7 +63,7 @@ async def test_engine_death_mid_stream_is_sse_error_then_done(tmp_path, text_mod
                 assert r.status == 503
     finally:
         await server.close()
-        stop_process(proc)
+        proc.stop()
 
 
 async def test_health_503_while_starting(tmp_path, text_model, settings):
@@ -84,7 +84,7 @@ async def test_health_503_while_starting(tmp_path, text_model, settings):
         try:
             await wait_healthy(str(server.make_url("")).rstrip("/"))
         finally:
-            stop_process(proc)
+            proc.stop()
     finally:
         await server.close()
 

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import MODEL_NAME, start_fake_engine, stop_process, wait_healthy
+from conftest import MODEL_NAME
 
 LONG = {"model": MODEL_NAME, "prompt": "x = [i * i for i in range(10)]\n", "max_tokens": 400, "stream": True,
         "stream_options": {"include_usage": True}, "logprobs": 1}

@@ -1,0 +1,65 @@
+"""The output path as the tracker consumes it: ipc's OutputReader frames -> per-request TokenDeltas.
+
+The channel (queue + ring) is owned by the supervisor; this side attaches by instance name, which
+rank 0 reports in EngineReady.output_channel. Conversion is per frame: one `tolist()` per array and
+list slices per request (StepOutput.requests), never a loop over tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpserve.ipc import wire
+from mtpserve.ipc.output_channel import OutputChannel
+from mtpserve.ipc.output_reader import EngineDead, OutputReader
+from mtpserve.ipc.request_channel import EngineReady
+from mtpserve.ipc.step_output import ControlMessage, RequestOutput, StepOutput
+from mtpserve.server.outputs import OutputClosed, TokenDelta
+
+_FINISH = {wire.Finish.RUNNING: None, wire.Finish.PREEMPTED: None, wire.Finish.STOP: "stop",
+           wire.Finish.LENGTH: "length", wire.Finish.ABORT: "abort", wire.Finish.ERROR: "error"}
+_TOKEN_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)  # DRAFT frames are for draft-logprob studies
+
+
+class FrameOutputSource:
+    def __init__(self, channel: OutputChannel, reader: OutputReader) -> None:
+        self._channel, self._reader = channel, reader
+
+    @classmethod
+    async def open(cls, instance: str, vocab_size: int | None = None) -> FrameOutputSource:
+        channel = OutputChannel.attach(instance)
+        reader = OutputReader(channel, vocab_size=vocab_size)
+        await reader.start()
+        return cls(channel, reader)
+
+    async def next_batch(self) -> list[TokenDelta]:
+        """The next token frame's deltas; OutputClosed when the engine stopped or the channel went."""
+        while True:
+            try:
+                frame = await self._reader.get()
+            except EngineDead as exc:
+                raise OutputClosed(str(exc)) from None
+            if isinstance(frame, ControlMessage):
+                raise OutputClosed(f"engine {frame.code.name.lower()}: {frame.message}")
+            if frame.kind in _TOKEN_KINDS:
+                return to_deltas(frame)
+
+    async def close(self) -> None:
+        await self._reader.close()
+        self._channel.close()
+
+
+def to_deltas(frame: StepOutput) -> list[TokenDelta]:
+    rows = frame.requests()
+    bad = set() if frame.seq_ok is None else set(np.flatnonzero(~frame.seq_ok).tolist())
+    return [_delta(row, "error" if i in bad else _FINISH.get(row.finish, "error")) for i, row in enumerate(rows)]
+
+
+def _delta(row: RequestOutput, finish: str | None) -> TokenDelta:
+    # NOTE: a seq gap means tokens were lost: the request fails loudly instead of showing wrong text
+    return TokenDelta(row.req_id, row.token_ids, row.logprobs, row.top_ids, row.top_logprobs, finish)
+
+
+async def open_output(ready: EngineReady) -> FrameOutputSource:
+    """main.py's OpenOutput: attach to the channel rank 0 named in its EngineReady."""
+    return await FrameOutputSource.open(ready.output_channel, ready.vocab_size)

@@ -1,0 +1,88 @@
+"""The fake engine's side of the real output path: wire frames (ipc/wire_encode.py, the reference
+encoder the C++ packer is tested against) sent on the instance's POSIX queue.
+
+A step is split into as many frames as it takes for each to fit one stock queue message (8192 B),
+so no ring writer is needed; a full queue is waited on (back-pressure), never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+import numpy as np
+import posix_ipc
+
+from mtpserve.ipc import wire
+from mtpserve.ipc.output_channel import OutputChannel
+from mtpserve.ipc.wire_encode import encode_token_frame
+
+FINISH_CODES = {None: wire.Finish.RUNNING, "stop": wire.Finish.STOP, "length": wire.Finish.LENGTH,
+                "abort": wire.Finish.ABORT}
+
+
+class OutputRow(NamedTuple):
+    request_id: int
+    seq: int  # tokens of this request sent before
+    token_ids: list[int]
+    wants_logprobs: bool
+    finish_reason: str | None
+
+
+class FrameSink:
+    def __init__(self, instance: str) -> None:
+        self.channel = OutputChannel.attach(instance)
+        self.instance = instance
+        self._mq = posix_ipc.MessageQueue(self.channel.address.queue_name, read=False, write=True)
+        self._max_bytes = self.channel.address.max_msg_bytes
+        self._frame_seq = 0
+
+    async def send(self, rows: list[OutputRow], step_id: int, top_width: int) -> None:
+        for group in self._groups(rows, top_width):
+            await self._send_one(self._encode(group, step_id, top_width))
+
+    def _groups(self, rows: list[OutputRow], top_width: int) -> list[list[OutputRow]]:
+        budget = self._max_bytes - wire.HEADER_SIZE - 10 * wire.SECTION_ALIGN
+        groups, size = [[]], 0
+        for row in rows:
+            cost = 24 + len(row.token_ids) * (4 + 12 + 8 * top_width)
+            if groups[-1] and size + cost > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append(row)
+            size += cost
+        return groups
+
+    def _encode(self, rows: list[OutputRow], step_id: int, top_width: int) -> bytes:
+        with_lp = any(r.wants_logprobs for r in rows)
+        tokens = [t for r in rows for t in r.token_ids]
+        frame = encode_token_frame(
+            wire.Kind.TARGET, req_ids=[r.request_id for r in rows], seq=[r.seq for r in rows],
+            num_tokens=[len(r.token_ids) for r in rows], finish=[FINISH_CODES[r.finish_reason] for r in rows],
+            token_ids=tokens, step_id=step_id, frame_seq=self._frame_seq,
+            instance_tag=self.channel.address.instance_tag, **(_logprob_arrays(rows, top_width) if with_lp else {}))
+        self._frame_seq += 1
+        return frame
+
+    async def _send_one(self, frame: bytes) -> None:
+        while True:
+            try:
+                self._mq.send(frame, timeout=0)
+                return
+            except posix_ipc.BusyError:
+                await asyncio.sleep(0.001)  # the reader is behind: wait, never drop
+
+    def close(self) -> None:
+        self._mq.close()
+        self.channel.close()
+
+
+def _logprob_arrays(rows: list[OutputRow], top_width: int) -> dict:
+    from fake_engine import fake_logprob, fake_top  # every row gets entries once any row asked
+
+    tokens = [t for r in rows for t in r.token_ids]
+    tops = [fake_top(t, top_width) for t in tokens]
+    return dict(logprob=np.array([fake_logprob(t) for t in tokens], np.float32),
+                rank=np.ones(len(tokens), np.int32),
+                topk_ids=np.array([t[0] for t in tops], np.int32).reshape(len(tokens), top_width),
+                topk_logprobs=np.array([t[1] for t in tops], np.float32).reshape(len(tokens), top_width))
