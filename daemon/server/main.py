@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path, help="config.json written by the launcher into the runtime dir")
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config.read_bytes(), type=Config)
+    from mtpserve.lifecycle import die_with_parent
     from mtpserve.server.output_source import open_output
 
+    die_with_parent()  # NOTE: SIGTERM (a graceful drain) when the launcher dies
     return run(config, args.config.resolve().parent, open_output)
 
 

@@ -26,6 +26,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_prompts: int = 64
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
 
 
 Check = tuple[str, Callable[[object], bool], str]
@@ -54,7 +55,7 @@ def check_fields(req: SamplingFields, limits: RequestLimits) -> None:
             raise bad_request(f"`{name}` {message}, got {value}.", name, "invalid_value")
     _check_n(req, limits)
     _check_stop(req, limits)
-    _check_logprobs(req)
+    _check_logprobs(req, limits.max_top_logprobs)
     if req.stream_options is not None and not req.stream:
         raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
 
@@ -78,17 +79,17 @@ def _check_stop(req: SamplingFields, limits: RequestLimits) -> None:
         raise bad_request(f"`stop_token_ids` must be in [0, {limits.vocab_size}).", "stop_token_ids")
 
 
-def _check_logprobs(req: SamplingFields) -> None:
+def _check_logprobs(req: SamplingFields, max_top: int) -> None:
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}].", "logprobs", "invalid_value")
+        if req.logprobs is not None and not 0 <= req.logprobs <= max_top:
+            raise bad_request(f"`logprobs` must be in [0, {max_top}].", "logprobs", "invalid_value")
         if req.echo and req.logprobs is not None:
             raise bad_request("`echo` with `logprobs` (prompt logprobs) is not supported.", "echo")
         return
     assert isinstance(req, ChatCompletionRequest)
     if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}].", "top_logprobs", "invalid_value")
+        if not 0 <= req.top_logprobs <= max_top:
+            raise bad_request(f"`top_logprobs` must be in [0, {max_top}].", "top_logprobs", "invalid_value")
         if not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
 

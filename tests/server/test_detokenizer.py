@@ -49,7 +49,7 @@ def test_flush_emits_dangling_bytes(text_model):
 
 
 def test_special_tokens_are_skipped(text_model):
-    eos = text_model.tokenizer.token_to_id("<|endoftext|>")
+    eos = text_model.token_to_id("<|endoftext|>")
     ids = text_model.encode("abc") + [eos]
     detok = IncrementalDetokenizer(text_model)
     assert detok.push(ids) + detok.flush() == "abc"
@@ -68,5 +68,5 @@ def test_mark_rewind_replays_identically(text_model):
 def test_token_text_cache_matches_single_decodes(text_model):
     ids = text_model.encode(TEXTS[0])
     cache = TokenTextCache(text_model)
-    assert cache.texts(ids) == [text_model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert cache.texts(ids) == [text_model.tokenizer.inner.decode([i], skip_special_tokens=False) for i in ids]
     assert cache.texts(ids[:2]) == cache.texts(ids)[:2]

@@ -155,3 +155,12 @@ async def test_models_tokenize_detokenize(fake_server, client, text_model):
             detok = await r.json()
     assert tok["tokens"] == text_model.encode("hello world") and tok["count"] == len(tok["tokens"])
     assert detok["prompt"] == "hello world"
+
+
+async def test_mixed_batch_logprobs_only_where_asked(client):
+    import asyncio
+    with_lp, without = await asyncio.gather(
+        client.completions.create(model=MODEL_NAME, prompt="a = 1\nb = 2\n", max_tokens=30, logprobs=2),
+        client.completions.create(model=MODEL_NAME, prompt="c = 3\n", max_tokens=30))
+    assert len(with_lp.choices[0].logprobs.tokens) == 30
+    assert without.choices[0].logprobs is None
