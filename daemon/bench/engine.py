@@ -1,5 +1,6 @@
 """`mtpserve bench engine`: the engine core on the synthetic device (fixed step time, k drafts, a set
-acceptance rate), device busy fraction with overlap on and off, at several batch sizes.
+acceptance rate), device busy fraction with overlap on and off, at several batch sizes; with
+`--model DIR`, also decode tokens/s of that model for each k (see engine_model.py).
 
 The engine runs closed-loop: `batch` requests are kept in flight, a finished one is replaced at once.
 Busy fraction = device time spent executing steps / wall time, over a window after warm-up.
@@ -45,19 +46,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--measure-steps", type=int, default=200)
+    p.add_argument("--model", type=Path, default=None,
+                   help="also benchmark this model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--model-batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--model-k", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--model-prompt-len", type=int, default=64)
+    p.add_argument("--model-max-tokens", type=int, default=64)
+    p.add_argument("--model-rounds", type=int, default=2, help="batches of prompts per (batch, k)")
+    p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = []
-    for batch in args.batch:
+    report: dict = {"benchmark": "engine", "synthetic": [], "model": []}
+    for batch in [] if args.skip_synthetic else args.batch:
         for overlap in (False, True):
             case = Case(batch, overlap, args.k, args.step_ms, args.acceptance_rate, args.prompt_len,
                         args.max_tokens, args.warmup_steps, args.measure_steps)
-            results.append(measure(case))
-            print(format_row(results[-1]), flush=True)
-    args.out.write_text(json.dumps({"benchmark": "engine-synthetic", "results": results}, indent=2))
+            report["synthetic"].append(measure(case))
+            print(format_row(report["synthetic"][-1]), flush=True)
+    if args.model is not None:
+        from mtpserve.bench.engine_model import run_model_bench
+
+        report["model_dir"] = str(args.model)
+        report["model"] = run_model_bench(args.model, args.model_batch, args.model_k,
+                                          args.model_prompt_len, args.model_max_tokens, args.model_rounds)
+    args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -16,11 +16,12 @@ import paddle
 from mtpserve.engine import rng
 from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.mtp_proposer import MTPProposer
-from mtpserve.engine.sampler import choose, target_probs
+from mtpserve.engine.sampler import choose, probs_from, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window
-from mtpserve.engine.spec_verify import verify
+from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy
 from mtpserve.engine.step_plan import StepPlan, StepResult
+from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mimo_model import MiMoForCausalLM
@@ -75,14 +76,16 @@ class PaddleModelRunner:
             self.sampling.apply_inserts(plan)
             win = self.state.window(plan)
             batch = self._forward_batch(plan, win)
-            out = self.model.forward(batch, self.kv)
+            ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
+            out = self.model.run(batch.input_ids, batch.positions, ctx)
             rows = self._verify_rows(plan, win)  # [B, k+1]
             logits = self.model.compute_logits(paddle.gather(out.hidden_states, paddle.to_tensor(rows.reshape(-1))))
             v = self._decide(plan, logits)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             self.sampling.count(plan.slots, tokens)
             if self.proposer is not None:
-                self.proposer.propose(plan, win, batch, out.mtp_hidden, v, num_emitted, reason, self.state)
+                self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted, reason,
+                                      self.state)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid)
 
     def _forward_batch(self, plan: StepPlan, win: Window) -> ForwardBatch:
@@ -114,18 +117,27 @@ class PaddleModelRunner:
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
         params = self.sampling.row_params(slots, out_index, self.state)
         counts, mask = self.sampling.penalty_inputs(slots, drafts) or (None, None)
-        probs, greedy = target_probs(logits, counts, mask, params)
-        keys = params.keys.reshape([b, k + 1])
-        idx = params.out_index.reshape([b, k + 1])
+        logits = processed_logits(logits, counts, mask, params)
+        greedy = paddle.argmax(logits, axis=-1).reshape([b, k + 1])
+        if not (self.sampling.temperature[slots] > 0).any():
+            # NOTE: an all-greedy batch needs neither probabilities nor random numbers.
+            return self._finish_verify(plan, greedy[:, 0].numpy(), verify_greedy(greedy, paddle.to_tensor(drafts)))
+        probs = probs_from(logits, params).reshape([b, k + 1, -1])
+        keys, idx = params.keys.reshape([b, k + 1]), params.out_index.reshape([b, k + 1])
         u_sample = rng.uniforms(keys, idx, rng.Purpose.SAMPLE)  # [B, k+1]
         temperature = params.temperature.reshape([b, k + 1])[:, 0]
-        first = choose(probs.reshape([b, k + 1, -1])[:, 0], greedy.reshape([b, k + 1])[:, 0],
-                       u_sample[:, 0], temperature).numpy()
+        first = choose(probs[:, 0], greedy[:, 0], u_sample[:, 0], temperature).numpy()
         if k == 0:
-            return Verified(first[:, None], np.ones(b, np.int64), np.zeros(b, np.int64))
+            return self._finish_verify(plan, first, None)
         u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
-        res = verify(probs.reshape([b, k + 1, -1]), greedy.reshape([b, k + 1]), paddle.to_tensor(drafts),
-                     None, u_accept, u_sample, temperature)
+        res = verify(probs, greedy, paddle.to_tensor(drafts), None, u_accept, u_sample, temperature)
+        return self._finish_verify(plan, first, res)
+
+    def _finish_verify(self, plan: StepPlan, first: np.ndarray, res: VerifyResult | None) -> Verified:
+        """Prefill rows (and every row when k = 0) emit their plain draw `first` [B]."""
+        b = plan.num_rows
+        if res is None or self.num_speculative_tokens == 0:
+            return Verified(first[:, None], np.ones(b, np.int64), np.zeros(b, np.int64))
         tokens, emitted, accepted = res.token_ids.numpy(), res.num_emitted.numpy(), res.num_accepted.numpy()
         pre = plan.is_prefill
         tokens[pre] = -1

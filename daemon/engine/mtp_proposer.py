@@ -18,11 +18,14 @@ computed from draft tokens and are not recomputed; that can only lower acceptanc
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import paddle
 
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.step_plan import StepPlan
+from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mimo_model import MiMoForCausalLM
@@ -32,8 +35,9 @@ class MTPProposer:
     def __init__(self, model: MiMoForCausalLM, kv_per_depth: list[KVCache]) -> None:
         self.model, self.kv, self.k = model, kv_per_depth, len(kv_per_depth)
 
-    def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, main_hidden: paddle.Tensor,
-                verified, num_emitted: np.ndarray, reason: np.ndarray, state: SlotState) -> None:
+    def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
+                main_hidden: paddle.Tensor, verified, num_emitted: np.ndarray, reason: np.ndarray,
+                state: SlotState) -> None:
         """Run the k depths and store the drafts of rows that keep generating into `state.drafts`."""
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
         ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
@@ -43,13 +47,19 @@ class MTPProposer:
         hidden = main_hidden
         for depth in range(self.k):
             shifted = paddle.to_tensor(ahead[win.row_of, offset + depth])  # [T]
-            out = self.model.mtp_forward(depth, batch, shifted, hidden, self.kv[depth])
+            out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth))
             logits = self.model.compute_logits(paddle.gather(out.hidden_states, at_frontier))  # [B, V]
             ahead[rows, frontier + depth + 1] = paddle.argmax(logits, axis=-1).numpy()
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)
         drafts = ahead[rows[:, None], frontier[:, None] + 1 + np.arange(self.k)[None, :]]  # [B, k]
         state.drafts[plan.slots[live]] = drafts[live]
+
+    def _context(self, ctx: PagedContext, depth: int) -> PagedContext:
+        """The target pass's attention indices (same positions, slots, masks) over this depth's KV."""
+        depth_ctx = copy.copy(ctx)
+        depth_ctx.kv = self.kv[depth]
+        return depth_ctx
 
     def _ahead(self, plan: StepPlan, win: Window, token_ids: np.ndarray) -> np.ndarray:
         """[B, W] with W = longest row + k + 1: the token after each position, as far as known."""

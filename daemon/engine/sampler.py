@@ -82,19 +82,27 @@ def _sorted_threshold(probs: paddle.Tensor, p: RowParams) -> paddle.Tensor:
     return paddle.take_along_axis(ordered, (num_keep - 1).unsqueeze(-1), axis=1)
 
 
-def target_probs(logits: paddle.Tensor, counts: paddle.Tensor | None, prompt_mask: paddle.Tensor | None,
-                 p: RowParams) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """The distribution each row samples from, and the greedy choice. -> probs [N, V], argmax [N].
-
-    counts/prompt_mask None: no row has a penalty (host-known), so that work is skipped."""
+def processed_logits(logits: paddle.Tensor, counts: paddle.Tensor | None,
+                     prompt_mask: paddle.Tensor | None, p: RowParams) -> paddle.Tensor:
+    """Penalties and the min_tokens mask. counts/prompt_mask None: no row has a penalty (host-known),
+    so that work is skipped. -> [N, V] float32; its argmax is the greedy choice."""
     logits = logits.astype("float32")
     if counts is not None:
         logits = apply_penalties(logits, counts, prompt_mask, p)
-    logits = mask_stops_before_min_tokens(logits, p)
-    greedy_ids = paddle.argmax(logits, axis=-1)
+    return mask_stops_before_min_tokens(logits, p)
+
+
+def probs_from(logits: paddle.Tensor, p: RowParams) -> paddle.Tensor:
+    """Temperature, softmax, then top-k/top-p/min-p. logits: processed [N, V] -> probs [N, V]."""
     temperature = paddle.where(p.temperature > 0, p.temperature, paddle.ones_like(p.temperature))
-    probs = F.softmax(logits / temperature.unsqueeze(-1), axis=-1)
-    return filter_probs(probs, p), greedy_ids
+    return filter_probs(F.softmax(logits / temperature.unsqueeze(-1), axis=-1), p)
+
+
+def target_probs(logits: paddle.Tensor, counts: paddle.Tensor | None, prompt_mask: paddle.Tensor | None,
+                 p: RowParams) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """The distribution each row samples from, and the greedy choice. -> probs [N, V], argmax [N]."""
+    logits = processed_logits(logits, counts, prompt_mask, p)
+    return probs_from(logits, p), paddle.argmax(logits, axis=-1)
 
 
 def draw(probs: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
