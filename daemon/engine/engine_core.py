@@ -34,22 +34,45 @@ class _Emitter:
     """Collects one step's per-request outputs into flat arrays."""
 
     def __init__(self) -> None:
-        self.ids: list[str] = []
+        self.ids: list = []
         self.tokens: list[np.ndarray] = []
         self.reasons: list[int] = []
+        self.logprobs: list[tuple | None] = []  # per request: (logprob, rank, top ids, top logprobs)
+        self.widths: list[int] = []
 
-    def add(self, request_id: str, tokens: np.ndarray, reason: FinishReason) -> None:
+    def add(self, request_id, tokens: np.ndarray, reason: FinishReason, width: int = -1,
+            logprobs: tuple | None = None) -> None:
         self.ids.append(request_id)
         self.tokens.append(tokens)
         self.reasons.append(int(reason))
+        self.widths.append(width if logprobs is not None else -1)
+        self.logprobs.append(logprobs)
 
     def build(self, step_id: int) -> StepOutput:
         if not self.ids:
             return StepOutput.empty(step_id)
-        return StepOutput(step_id, tuple(self.ids),
+        base = StepOutput(step_id, tuple(self.ids),
                           np.fromiter((t.shape[0] for t in self.tokens), np.int32, len(self.tokens)),
                           np.concatenate(self.tokens).astype(np.int64),
                           np.asarray(self.reasons, np.uint8))
+        if all(lp is None for lp in self.logprobs):
+            return base
+        return base._replace(**self._logprob_columns())
+
+    def _logprob_columns(self) -> dict:
+        width = max(max(self.widths), 0)
+        parts = [lp if lp is not None else _no_logprobs(t.shape[0]) for lp, t in zip(self.logprobs, self.tokens)]
+        pad = lambda a, fill: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)  # noqa: E731
+        return dict(token_logprobs=np.concatenate([p[0] for p in parts]).astype(np.float32),
+                    token_ranks=np.concatenate([p[1] for p in parts]).astype(np.int64),
+                    top_ids=np.concatenate([pad(p[2], -1) for p in parts]).astype(np.int64),
+                    top_logprobs=np.concatenate([pad(p[3], -np.inf) for p in parts]).astype(np.float32),
+                    num_top_logprobs=np.asarray(self.widths, np.int32))
+
+
+def _no_logprobs(n: int) -> tuple:
+    return (np.full(n, np.nan, np.float32), np.zeros(n, np.int64), np.zeros((n, 0), np.int64),
+            np.zeros((n, 0), np.float32))
 
 
 class EngineCore:
@@ -124,7 +147,9 @@ class EngineCore:
                 self._count_acceptance(row.request, int(result.num_accepted[i]))
             self.scheduler.commit(row, tokens.tolist(), reason)
             if tokens.shape[0] or reason is not FinishReason.NONE:
-                out.add(row.request.request_id, tokens, reason)
+                width = row.request.params.logprobs
+                lp = _row_logprobs(result, i, tokens.shape[0], width)
+                out.add(row.request.request_id, tokens, reason, -1 if width is None else width, lp)
         self.acceptance.observe(result.num_accepted[verified])
         return out.build(result.step_id)
 
@@ -143,3 +168,12 @@ class EngineCore:
             handle.result()
         self._inflight.clear()
         self.runner.close()
+
+
+def _row_logprobs(result: StepResult, row: int, n: int, width: int | None) -> tuple | None:
+    """The request's logprob columns for its n emitted tokens, cut to its own top-k width."""
+    if width is None or result.logprobs is None:
+        return None
+    lp = result.logprobs
+    return (lp.token_logprobs[row, :n], lp.ranks[row, :n], lp.top_ids[row, :n, :width],
+            lp.top_logprobs[row, :n, :width])

@@ -16,11 +16,11 @@ import paddle
 from mtpserve.engine import rng
 from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.mtp_proposer import MTPProposer
-from mtpserve.engine.sampler import choose, probs_from, processed_logits
+from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy
-from mtpserve.engine.step_plan import StepPlan, StepResult
+from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -82,11 +82,25 @@ class PaddleModelRunner:
             logits = self.model.compute_logits(paddle.gather(out.hidden_states, paddle.to_tensor(rows.reshape(-1))))
             v = self._decide(plan, logits)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
+            logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
             if self.proposer is not None:
                 self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted, reason,
                                       self.state)
-            return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid)
+            return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
+                              logprobs)
+
+    def _logprobs(self, plan: StepPlan, logits: paddle.Tensor, tokens: np.ndarray) -> LogprobRows | None:
+        """Raw logprobs of the emitted tokens [B, k+1] (-1 padded) from the raw verify-row logits."""
+        wanted = self.sampling.num_logprobs[plan.slots]
+        if (wanted < 0).all():
+            return None
+        shape = tokens.shape
+        ids = paddle.to_tensor(np.maximum(tokens, 0).reshape(-1))
+        chosen, rank, top_ids, top_lp = gather_logprobs(logits, ids, int(wanted.max()))
+        n = top_ids.shape[-1]
+        return LogprobRows(chosen.numpy().reshape(shape), rank.numpy().reshape(shape),
+                           top_ids.numpy().reshape(*shape, n), top_lp.numpy().reshape(*shape, n))
 
     def _forward_batch(self, plan: StepPlan, win: Window) -> ForwardBatch:
         seq_lens_kv = win.start + plan.num_tokens

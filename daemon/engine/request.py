@@ -69,7 +69,7 @@ def _sampling_problems(p: SamplingParams) -> list[str]:
 class EngineRequest:
     """One generation request as the engine receives it (already tokenized and validated)."""
 
-    request_id: str
+    request_id: int | str  # the wire uses ints; tests use strings
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
 

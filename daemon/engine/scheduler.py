@@ -29,6 +29,16 @@ class SchedulerConfig:
     num_blocks: int = 1024
     block_size: int = 16
 
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "num_blocks", "block_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.max_num_batched_tokens < self.decode_window:
+            raise ValueError("max_num_batched_tokens must hold at least one decode window (k+1)")
+
     @property
     def decode_window(self) -> int:
         return self.num_speculative_tokens + 1

@@ -18,6 +18,7 @@ class SlotSampling:
         self.temperature, self.top_p, self.min_p = f32(1.0), f32(1.0), f32(0.0)
         self.presence, self.frequency, self.repetition = f32(0.0), f32(0.0), f32(1.0)
         self.top_k = np.zeros(num_slots, np.int64)
+        self.num_logprobs = np.full(num_slots, -1, np.int64)
         self.has_penalty = np.zeros(num_slots, bool)
         self.counts = np.zeros((num_slots, vocab_size), np.float32)  # [S, V] output-token counts
         self.prompt_mask = np.zeros((num_slots, vocab_size), bool)  # [S, V]
@@ -28,6 +29,7 @@ class SlotSampling:
             self.temperature[s], self.top_p[s], self.min_p[s] = ins.temperature, ins.top_p, ins.min_p
             self.presence[s], self.frequency[s] = ins.presence, ins.frequency
             self.repetition[s], self.top_k[s] = ins.repetition, ins.top_k
+            self.num_logprobs[s] = ins.num_logprobs
             self.has_penalty[s] = ins.presence != 0 or ins.frequency != 0 or ins.repetition != 1
             self.counts[s] = np.bincount(ins.output_ids, minlength=self.vocab_size)[:self.vocab_size]
             self.prompt_mask[s] = False

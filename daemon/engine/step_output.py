@@ -9,10 +9,17 @@ import numpy as np
 
 class StepOutput(NamedTuple):
     step_id: int  # the device step whose results these are; -1 when none was collected
-    request_ids: tuple[str, ...]  # [R] requests with new tokens or a finish
+    request_ids: tuple[int | str, ...]  # [R] requests with new tokens or a finish
     num_tokens: np.ndarray  # [R] int32, new tokens per request (0 for e.g. an abort)
     token_ids: np.ndarray  # [sum(num_tokens)] int64, bounds-checked against the vocabulary
     finish_reasons: np.ndarray  # [R] uint8, request.FinishReason (0 = still running)
+    # NOTE: logprob columns exist when some request in this output asked for logprobs; rows of the
+    # others hold NaN / 0 / -1. K is the widest top-k asked; `num_top_logprobs` is each request's own.
+    token_logprobs: np.ndarray | None = None  # [N] float32, raw model logprob of each emitted token
+    token_ranks: np.ndarray | None = None  # [N] int64, 1 = most likely
+    top_ids: np.ndarray | None = None  # [N, K] int64, -1 padding
+    top_logprobs: np.ndarray | None = None  # [N, K] float32
+    num_top_logprobs: np.ndarray | None = None  # [R] int32, -1 = request asked for no logprobs
 
     @classmethod
     def empty(cls, step_id: int = -1) -> StepOutput:

@@ -37,6 +37,7 @@ class SlotInsert:
     max_tokens: int
     min_tokens: int
     stop_ids: tuple[int, ...]  # stop token ids, plus EOS unless ignore_eos
+    num_logprobs: int  # -1: no logprobs; n >= 0: the emitted token's logprob plus the top n
 
     @classmethod
     def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> SlotInsert:
@@ -48,7 +49,8 @@ class SlotInsert:
                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                    presence=p.presence_penalty, frequency=p.frequency_penalty,
                    repetition=p.repetition_penalty, max_tokens=p.max_tokens,
-                   min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)))
+                   min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)),
+                   num_logprobs=-1 if p.logprobs is None else p.logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,15 @@ def _next_ids(rows, k: int) -> np.ndarray:
     return out
 
 
+class LogprobRows(NamedTuple):
+    """Raw (model) logprobs of each emitted token, from the target row that decided it."""
+
+    token_logprobs: np.ndarray  # [B, k+1] float32
+    ranks: np.ndarray  # [B, k+1] int64, 1 = most likely
+    top_ids: np.ndarray  # [B, k+1, n] int64, n = the widest request of the step
+    top_logprobs: np.ndarray  # [B, k+1, n] float32
+
+
 class StepResult(NamedTuple):
     """Device -> host, one entry per plan row (numpy, copied off the device in one transfer)."""
 
@@ -108,3 +119,4 @@ class StepResult(NamedTuple):
     num_accepted: np.ndarray  # [B] int64: drafts the verifier accepted (before stop truncation)
     finish_reason: np.ndarray  # [B] uint8 (request.FinishReason)
     is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
+    logprobs: LogprobRows | None = None  # only when some row's request asked for logprobs

@@ -160,3 +160,35 @@ def test_preemption_with_the_model_keeps_greedy_output(model):
     core = make_core(model, k=2, num_blocks=24)
     assert run(core, greedy_requests(texts, 16), batch=12) == ref
     assert core.scheduler.num_preemptions > 0
+
+
+def test_logprobs_come_from_the_row_that_decided_each_token(model):
+    """With MTP, every emitted token (accepted draft or bonus) carries the raw target logprob of the
+    position that produced it: the same as a dense recompute of the whole sequence."""
+    prompt = prompts(1, seed=9)[0]
+    req = EngineRequest("lp", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=3))
+    other = EngineRequest("plain", prompts(1, seed=10)[0], SamplingParams(temperature=0.0, max_tokens=12))
+    core = make_core(model, k=2)
+    core.add_request(req)
+    core.add_request(other)
+    tokens, lps, ranks, tops = [], [], [], []
+    while core.has_unfinished_requests():
+        out = core.step()
+        for i, rid in enumerate(out.request_ids):
+            start = int(out.num_tokens[:i].sum())
+            sl = slice(start, start + int(out.num_tokens[i]))
+            if rid == "lp":
+                tokens += out.token_ids[sl].tolist()
+                lps += out.token_logprobs[sl].tolist()
+                ranks += out.token_ranks[sl].tolist()
+                tops += out.top_ids[sl, :3].tolist()
+                assert out.num_top_logprobs[i] == 3
+            elif out.token_logprobs is not None and out.num_tokens[i]:
+                assert np.isnan(out.token_logprobs[sl]).all()
+    core.close()
+    logits = dense_logits(model, list(prompt) + tokens)[0][len(prompt) - 1:-1]  # [12, V]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(lps, ref[np.arange(12), tokens], atol=1e-4)
+    assert ranks == [1] * 12  # greedy: every emitted token is the argmax
+    assert [t[0] for t in tops] == tokens
