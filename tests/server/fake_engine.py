@@ -94,8 +94,7 @@ class FakeEngine:
 
     def _advance(self, req: FakeRequest) -> OutputRow:
         want = 1 if req.steps == 0 else 1 + (req.add.request_id + req.steps) % (self.args.k + 1)
-        if req.steps > 0 and self.args.k:
-            self._count_spec(want - 1)
+        is_decode = req.steps > 0
         req.steps += 1
         prompt, params = req.add.prompt_token_ids, req.params
         new, finish = [], None
@@ -103,6 +102,8 @@ class FakeEngine:
             token = prompt[(len(req.generated) + len(new)) % len(prompt)]
             new.append(token)
             finish = self._finish_reason(req, token, len(req.generated) + len(new))
+        if is_decode and self.args.k:
+            self._count_spec(len(new) - 1)  # NOTE: counts what was emitted (max_tokens may cut a step)
         row = OutputRow(req.add.request_id, len(req.generated), new, params.logprobs, finish)
         req.generated += new
         return row

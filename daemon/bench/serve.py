@@ -1,0 +1,196 @@
+"""`mtpserve bench serve`: a load generator for any OpenAI-compatible server (ours, vLLM, SGLang).
+
+For each concurrency level: 1. scrape /metrics, 2. send `--num-prompts` streamed requests, Poisson
+arrivals at `--request-rate` (inf: all at once) with at most `concurrency` in flight, 3. scrape
+/metrics again. Reports TTFT, TPOT, ITL, E2E percentiles, request and token throughput, and the
+mean acceptance length from the spec-decode counter deltas (vLLM's names, which mtpserve exports).
+Writes JSON (`--out`) and PNG plots (`--plot-dir`, needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import aiohttp
+
+from mtpserve.bench.serve_client import RequestResult, send_request
+from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, summarize
+
+CHARS_PER_TOKEN = 3.5  # code under a small byte-level BPE; prompt lengths are approximate
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server: latency, throughput, "
+                              "acceptance length")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the server's first /v1/models entry)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--dataset", choices=("code", "random"), default="code",
+                   help="code: windows of Python standard-library sources (the bundled model's domain); "
+                   "random: random words from that corpus")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: burst")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent before each level, not measured")
+    p.add_argument("--settle", type=float, default=0.5,
+                   help="seconds to wait before scraping /metrics (engine stats arrive periodically)")
+    p.add_argument("--out", type=Path, default=Path("serve-bench.json"))
+    p.add_argument("--plot-dir", type=Path, default=None, help="PNG plots here (default: next to --out)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = asyncio.run(run_all(args))
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"JSON: {args.out}")
+    for path in report["plots"]:
+        print(f"plot: {path}")
+    return 0 if all(r["summary"]["failed"] == 0 for r in report["runs"]) else 1
+
+
+async def run_all(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = args.model or await _first_model(session, args.base_url)
+        prompts = make_prompts(args)
+        runs = []
+        for concurrency in args.concurrency:
+            summary = await run_level(session, args, model, prompts, concurrency)
+            print(format_run(f"concurrency {concurrency}", summary), flush=True)
+            runs.append({"concurrency": concurrency, "summary": summary})
+    plots = plot(runs, args.plot_dir or args.out.resolve().parent)
+    return {"benchmark": "serve", "base_url": args.base_url, "model": model, "config": _config(args),
+            "runs": runs, "plots": plots}
+
+
+def _config(args: argparse.Namespace) -> dict:
+    keep = ("endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio", "concurrency",
+            "request_rate", "temperature", "no_ignore_eos", "seed")
+    return {k: getattr(args, k) for k in keep}
+
+
+async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
+                    prompts: list[str], concurrency: int) -> dict:
+    url, bodies = _url(args), [request_body(args, model, p) for p in prompts]
+    await asyncio.gather(*(send_request(session, url, b) for b in bodies[:args.warmup]))
+    await asyncio.sleep(args.settle)
+    before = await _scrape(session, args.base_url)
+    start = time.perf_counter()
+    results = await _drive(session, url, bodies, concurrency, args)
+    duration = time.perf_counter() - start
+    await asyncio.sleep(args.settle)
+    after = await _scrape(session, args.base_url)
+    return summarize(results, duration, {**acceptance(before, after), **_per_request_spec(results)})
+
+
+async def _drive(session: aiohttp.ClientSession, url: str, bodies: list[dict], concurrency: int,
+                 args: argparse.Namespace) -> list[RequestResult]:
+    limit, rng = asyncio.Semaphore(concurrency), random.Random(args.seed)
+    bar = _progress(len(bodies), args.no_progress, concurrency)
+
+    async def one(body: dict) -> RequestResult:
+        async with limit:
+            result = await send_request(session, url, body)
+        bar.update(1)
+        return result
+
+    tasks = []
+    for body in bodies:
+        tasks.append(asyncio.create_task(one(body)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    results = await asyncio.gather(*tasks)
+    bar.close()
+    return results
+
+
+def _progress(total: int, disabled: bool, concurrency: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"c={concurrency}", disable=disabled or not sys.stderr.isatty(), leave=False)
+
+
+async def _scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            return parse_counters(await resp.text()) if resp.status == 200 else {}
+    except aiohttp.ClientError:
+        return {}
+
+
+def _per_request_spec(results: list[RequestResult]) -> dict:
+    """mtpserve's usage.spec_decode extension, pooled over requests (absent on other servers)."""
+    stats = [r.spec_decode for r in results if r.ok and r.spec_decode]
+    steps = sum(s["num_decode_steps"] for s in stats)
+    accepted = sum(s["num_accepted_tokens"] for s in stats)
+    return {"per_request_acceptance_length": 1.0 + accepted / steps if steps else None}
+
+
+def _url(args: argparse.Namespace) -> str:
+    return f"{args.base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
+    body = {"model": model, "max_tokens": _length(args.output_len, args.range_ratio, prompt),
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": not args.no_ignore_eos}
+    if args.endpoint == "chat":
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt}
+
+
+def _length(base: int, ratio: float, key: str) -> int:
+    rng = random.Random(key)  # NOTE: tied to the prompt, so every level sends the same requests
+    return max(1, round(base * rng.uniform(1 - ratio, 1 + ratio)))
+
+
+def make_prompts(args: argparse.Namespace) -> list[str]:
+    rng = random.Random(args.seed)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    lines = [ln for f in rng.sample(files, min(40, len(files))) for ln in f.read_text(errors="replace").splitlines()]
+    words = " ".join(lines).split()
+    make = _code_prompt if args.dataset == "code" else _random_prompt
+    return [make(rng, lines if args.dataset == "code" else words,
+                 round(_length(args.input_len, args.range_ratio, str(i)) * CHARS_PER_TOKEN))
+            for i in range(args.num_prompts)]
+
+
+def _code_prompt(rng: random.Random, lines: list[str], num_chars: int) -> str:
+    start, out, size = rng.randrange(len(lines)), [], 0
+    for line in lines[start:] + lines[:start]:
+        out.append(line)
+        size += len(line) + 1
+        if size >= num_chars:
+            break
+    return "\n".join(out) + "\n"
+
+
+def _random_prompt(rng: random.Random, words: list[str], num_chars: int) -> str:
+    out, size = [], 0
+    while size < num_chars:
+        out.append(rng.choice(words))
+        size += len(out[-1]) + 1
+    return " ".join(out)

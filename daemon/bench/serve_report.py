@@ -1,0 +1,116 @@
+"""Aggregates of one benchmark run (vllm/sglang bench conventions), the table, and the PNG plots."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from mtpserve.bench.serve_client import RequestResult
+
+PERCENTILES = (50, 90, 95, 99)
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def parse_counters(text: str, names: tuple[str, ...] = SPEC_COUNTERS) -> dict[str, float]:
+    """Sum each counter over its label sets (Prometheus text format)."""
+    out = {}
+    for name in names:
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+        out[name] = sum(map(float, values))
+    return out
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, "std": None, **{f"p{p}": None for p in PERCENTILES}}
+    arr = np.asarray(values) * scale
+    return {"mean": float(arr.mean()), "std": float(arr.std()),
+            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Mean acceptance length = 1 + accepted drafts per draft round, from counter deltas."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    drafts, draft_tokens, accepted = (d[k] for k in SPEC_COUNTERS)
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None}
+
+
+def summarize(results: list[RequestResult], duration: float, spec: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "tokens_per_chunk": out_tokens / max(sum(r.num_chunks for r in ok), 1),
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([g for r in ok for g in r.itl]), "e2el_ms": _stats([r.latency for r in ok]),
+        "spec_decode": spec,
+    }
+
+
+def format_run(label: str, s: dict) -> str:
+    def row(name: str, key: str) -> str:
+        st = s[key]
+        if st["mean"] is None:
+            return f"  {name:<6} n/a"
+        return f"  {name:<6} mean {st['mean']:9.2f}  p50 {st['p50']:9.2f}  p90 {st['p90']:9.2f}  p99 {st['p99']:9.2f}"
+
+    acc = s["spec_decode"].get("acceptance_length")
+    lines = [f"== {label}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.2f}s",
+             f"  req/s {s['request_throughput']:.2f}  out tok/s {s['output_throughput']:.1f}  "
+             f"total tok/s {s['total_token_throughput']:.1f}  tokens/chunk {s['tokens_per_chunk']:.2f}  "
+             f"acceptance length {acc:.3f}" if acc else
+             f"  req/s {s['request_throughput']:.2f}  out tok/s {s['output_throughput']:.1f}  "
+             f"total tok/s {s['total_token_throughput']:.1f}  tokens/chunk {s['tokens_per_chunk']:.2f}",
+             "  (ms)", row("TTFT", "ttft_ms"), row("TPOT", "tpot_ms"), row("ITL", "itl_ms"), row("E2E", "e2el_ms")]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], out_dir: Path) -> list[str]:
+    """Throughput and latency vs concurrency; [] when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xs = [r["concurrency"] for r in runs]
+    paths = [_plot_throughput(plt, runs, xs, out_dir / "serve-throughput.png"),
+             _plot_latency(plt, runs, xs, out_dir / "serve-latency.png")]
+    return [str(p) for p in paths]
+
+
+def _plot_throughput(plt, runs: list[dict], xs: list, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [r["summary"]["output_throughput"] for r in runs], "o-", label="output tok/s")
+    ax.plot(xs, [r["summary"]["total_token_throughput"] for r in runs], "s--", label="total tok/s")
+    ax.set(xscale="log", xlabel="concurrency", ylabel="tokens / s", title="mtpserve bench serve: throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_latency(plt, runs: list[dict], xs: list, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E")):
+        ax.plot(xs, [r["summary"][key]["p50"] for r in runs], "o-", label=f"{label} p50")
+        ax.plot(xs, [r["summary"][key]["p99"] for r in runs], "x:", label=f"{label} p99")
+    ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency percentiles")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
