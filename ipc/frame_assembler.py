@@ -19,6 +19,7 @@ from mtpserve.ipc.step_output import Frame, StepOutput
 from mtpserve.ipc.wire_decode import FrameHeader, WireError, decode_header, decode_payload
 
 _SEQ_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)
+_IN_RING = int(wire.Flag.IN_RING)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class FrameAssembler:
         return self._track(frame)
 
     def _payload(self, h: FrameHeader, message: bytes) -> bytes | None:
-        if h.flags & wire.Flag.IN_RING:
+        if h.flags & _IN_RING:
             return self._from_ring(h)
         if h.chunk_count == 1:
             return message[wire.HEADER_SIZE:]

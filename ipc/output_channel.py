@@ -30,7 +30,7 @@ import posix_ipc
 from mtpserve.ipc import names, sysv, wire
 from mtpserve.ipc.shm_ring import ShmRing
 
-DEFAULT_RING_BYTES = 8 << 20
+DEFAULT_RING_BYTES = 4 << 20  # ten frames of 256 requests x 9 tokens x top-20
 STOCK_MSG_BYTES = 8192  # kernel.msgmax and fs.mqueue.msgsize_max on a stock kernel
 STOCK_QUEUE_DEPTH = 10  # fs.mqueue.msg_max on a stock kernel
 

@@ -12,7 +12,9 @@ import numpy as np
 from mtpserve.ipc import wire
 from mtpserve.ipc.step_output import StepOutput
 
-_DONE = np.array([wire.Finish.STOP, wire.Finish.LENGTH, wire.Finish.ABORT, wire.Finish.ERROR])
+# [finish value] -> the request is over and forgotten (PREEMPTED requests resume at the same seq)
+_IS_DONE = np.zeros(int(max(wire.Finish)) + 1, bool)
+_IS_DONE[[wire.Finish.STOP, wire.Finish.LENGTH, wire.Finish.ABORT, wire.Finish.ERROR]] = True
 
 
 class SeqTracker:
@@ -32,41 +34,51 @@ class SeqTracker:
     def check(self, frame: StepOutput) -> np.ndarray:
         """[B] bool: row i carries the seq the tracker expected. Then advances (resyncing wrong
         rows, so one loss is reported once) and forgets finished requests."""
-        ids = frame.req_ids.astype(np.int64)
-        pos, found = self._lookup(ids)
-        expected = np.where(found, self._next[np.minimum(pos, max(self._ids.size - 1, 0))]
-                            if self._ids.size else 0, 0)
+        ids = frame.req_ids
         seq = frame.seq.astype(np.int64)
+        pos, found = self._lookup(ids)
+        expected = np.zeros(ids.size, np.int64)
+        expected[found] = self._next[pos[found]]
         ok = (seq == expected) & _first_occurrence(ids)
-        self._upsert(ids, seq + frame.num_tokens)
-        self._forget(ids[np.isin(frame.finish, _DONE)])
+        self._next[pos[found]] = seq[found] + frame.num_tokens[found]
+        if not found.all():
+            self._insert(ids[~found], (seq + frame.num_tokens)[~found])
+        done = _IS_DONE[frame.finish]
+        if done.any():
+            self._forget(ids[done])
         return ok
 
     def _lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions of ids in the sorted table and whether each is there."""
         pos = np.searchsorted(self._ids, ids)
         if not self._ids.size:
             return pos, np.zeros(ids.size, bool)
-        found = (pos < self._ids.size) & (self._ids[np.minimum(pos, self._ids.size - 1)] == ids)
-        return pos, found
+        clipped = np.minimum(pos, self._ids.size - 1)
+        return clipped, self._ids[clipped] == ids
 
     def _upsert(self, ids: np.ndarray, values: np.ndarray) -> None:
         pos, found = self._lookup(ids)
         self._next[pos[found]] = values[found]
-        new_ids, first = np.unique(ids[~found], return_index=True)
-        if new_ids.size:
-            merged = np.concatenate([self._ids, new_ids])
-            order = np.argsort(merged, kind="stable")
-            self._ids = merged[order]
-            self._next = np.concatenate([self._next, values[~found][first]])[order]
+        if not found.all():
+            self._insert(ids[~found], values[~found])
+
+    def _insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        new_ids, first = np.unique(ids, return_index=True)
+        merged = np.concatenate([self._ids, new_ids])
+        order = np.argsort(merged, kind="stable")
+        self._ids = merged[order]
+        self._next = np.concatenate([self._next, values[first]])[order]
 
     def _forget(self, ids: np.ndarray) -> None:
-        if ids.size:
-            keep = ~np.isin(self._ids, ids)
-            self._ids, self._next = self._ids[keep], self._next[keep]
+        pos, found = self._lookup(ids)
+        keep = np.ones(self._ids.size, bool)
+        keep[pos[found]] = False
+        self._ids, self._next = self._ids[keep], self._next[keep]
 
 
 def _first_occurrence(ids: np.ndarray) -> np.ndarray:
     """[B] bool: False for a request id repeated within one frame (a duplicate)."""
-    mask = np.zeros(ids.size, bool)
-    mask[np.unique(ids, return_index=True)[1]] = True
-    return mask
+    order = np.argsort(ids, kind="stable")
+    repeat = np.zeros(ids.size, bool)
+    repeat[order[1:]] = ids[order[1:]] == ids[order[:-1]]
+    return ~repeat

@@ -18,6 +18,11 @@ import posix_ipc
 from mtpserve.ipc import wire
 
 
+# NOTE: populate at map time. A first write to a tmpfs page costs a fault (~µs per 4 KiB page),
+# which on a ring that has not wrapped yet would be paid on every frame.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 class RingError(ValueError):
     """A ring descriptor points outside the ring or behind what was already released."""
 
@@ -39,7 +44,7 @@ class ShmRing:
                                      size=wire.RING_HEADER_BYTES + capacity)
         try:
             os.fchmod(shm.fd, 0o600)
-            mm = mmap.mmap(shm.fd, shm.size)
+            mm = mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS)
         finally:
             shm.close_fd()
         np.frombuffer(mm, wire.RING_DTYPE, count=1)["capacity"] = capacity
@@ -51,7 +56,7 @@ class ShmRing:
         try:
             if os.fstat(shm.fd).st_uid != os.getuid():
                 raise PermissionError(f"{name} belongs to another user")
-            mm = mmap.mmap(shm.fd, shm.size)
+            mm = mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS)
         finally:
             shm.close_fd()
         return cls(name, mm)

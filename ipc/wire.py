@@ -26,6 +26,7 @@ when the checked-in header differs from what this module generates.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -187,7 +188,8 @@ def pad8(n: int) -> int:
     return (n + SECTION_ALIGN - 1) & ~(SECTION_ALIGN - 1)
 
 
-def layout(shape: Shape) -> tuple[list[SectionSpan], int]:
+@functools.lru_cache(maxsize=256)  # steady decoding repeats a few shapes
+def layout(shape: Shape) -> tuple[tuple[SectionSpan, ...], int]:
     """Spans of the present sections and the payload length, for a token frame of `shape`."""
     spans, offset = [], 0
     for sec in SECTIONS:
@@ -197,4 +199,4 @@ def layout(shape: Shape) -> tuple[list[SectionSpan], int]:
         count = _count(sec.count, shape)
         spans.append(SectionSpan(sec.name, dtype, offset, count))
         offset += pad8(count * dtype.itemsize)
-    return spans, offset
+    return tuple(spans), offset

@@ -79,7 +79,9 @@ void OutputChannel::OpenRing() {
   if (fd < 0) throw SysError("shm_open " + address_.ring_name);
   struct stat st{};
   const bool sized = fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(mtp_wire::kRingHeaderBytes);
-  void* map = sized ? mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  // NOTE: MAP_POPULATE, so frames never pay page faults on a ring that has not wrapped yet.
+  void* map = sized ? mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0)
+                    : MAP_FAILED;
   close(fd);
   if (map == MAP_FAILED) throw SysError("mmap " + address_.ring_name);
   ring_ = static_cast<mtp_wire::RingHeader*>(map);
@@ -105,7 +107,7 @@ void OutputChannel::OpenQueue() {
     throw std::invalid_argument("max_msg_bytes exceeds the queue's message size");
 }
 
-ChannelStatus OutputChannel::Submit(FrameHeader header, std::vector<uint8_t>&& payload) {
+ChannelStatus OutputChannel::Submit(FrameHeader header, const std::vector<uint8_t>& payload) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!pending_.empty() && pending_bytes_ + static_cast<int64_t>(payload.size()) > address_.max_pending_bytes)
     throw std::runtime_error("output back-pressure bound exceeded: the engine must pause while frames are pending");
@@ -115,13 +117,18 @@ ChannelStatus OutputChannel::Submit(FrameHeader header, std::vector<uint8_t>&& p
   p.in_ring = payload.size() > body_max && !address_.chunked;
   header.chunk_count = p.in_ring ? 1 : ChunkCount(payload.size(), body_max);
   p.header = header;
-  p.payload = std::move(payload);
+  if (pending_.empty()) {
+    FlushLocked();
+    if (pending_.empty() && Advance(&p, payload.data())) {  // fast path: no copy into the FIFO
+      ++frames_sent_;
+      return StatusLocked();
+    }
+  }
+  if (!p.placed) p.payload = payload;
   pending_bytes_ += p.header.payload_len;
   pending_.push_back(std::move(p));
-  const ChannelStatus status = FlushLocked();
-  if (status.frames_pending == 0) return status;
-  ++frames_deferred_;  // FIFO: anything pending means the new frame is pending too
-  return StatusLocked();
+  ++frames_deferred_;
+  return FlushLocked();
 }
 
 ChannelStatus OutputChannel::Flush() {
@@ -130,7 +137,7 @@ ChannelStatus OutputChannel::Flush() {
 }
 
 ChannelStatus OutputChannel::FlushLocked() {
-  while (!pending_.empty() && Advance(&pending_.front())) {
+  while (!pending_.empty() && Advance(&pending_.front(), pending_.front().payload.data())) {
     pending_bytes_ -= pending_.front().header.payload_len;
     pending_.pop_front();
     ++frames_sent_;
@@ -138,31 +145,31 @@ ChannelStatus OutputChannel::FlushLocked() {
   return StatusLocked();
 }
 
-bool OutputChannel::Advance(Pending* p) {
+bool OutputChannel::Advance(Pending* p, const uint8_t* payload) {
   if (p->in_ring) {
-    if (!p->placed && !PlaceInRing(p)) return false;
+    if (!p->placed && !PlaceInRing(p, payload)) return false;
     return SendMessage(p->header, nullptr, 0);
   }
   const uint64_t body_max = address_.max_msg_bytes - mtp_wire::kHeaderSize;
   for (; p->next_chunk < p->header.chunk_count; ++p->next_chunk) {
     const uint64_t start = p->next_chunk * body_max;
-    const uint64_t size = std::min<uint64_t>(body_max, p->payload.size() - start);
+    const uint64_t size = std::min<uint64_t>(body_max, p->header.payload_len - start);
     FrameHeader h = p->header;
     h.chunk_index = p->next_chunk;
-    if (!SendMessage(h, p->payload.data() + start, size)) return false;
+    if (!SendMessage(h, payload + start, size)) return false;
   }
   return true;
 }
 
-bool OutputChannel::PlaceInRing(Pending* p) {
-  const uint64_t size = p->payload.size();
+bool OutputChannel::PlaceInRing(Pending* p, const uint8_t* payload) {
+  const uint64_t size = p->header.payload_len;
   const uint64_t capacity = ring_->capacity;
   if (size > capacity) throw std::runtime_error("frame larger than the ring; raise the ring size");
   uint64_t pos = ring_->write_pos;
   if (pos % capacity + size > capacity) pos += capacity - pos % capacity;  // skip the tail
   const uint64_t read_pos = __atomic_load_n(&ring_->read_pos, __ATOMIC_ACQUIRE);
   if (pos + size - read_pos > capacity) return false;
-  std::memcpy(ring_data_ + pos % capacity, p->payload.data(), size);
+  std::memcpy(ring_data_ + pos % capacity, payload, size);
   __atomic_store_n(&ring_->write_pos, pos + size, __ATOMIC_RELEASE);
   p->header.ring_pos = pos;
   p->header.flags = static_cast<uint8_t>((p->header.flags | mtp_wire::kFlagInRing) & mtp_wire::kKnownFlags);

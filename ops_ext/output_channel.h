@@ -48,14 +48,16 @@ class OutputChannel {
   // caller reports them).
   static ChannelStatus Close(const std::string& ring_name);
 
-  ChannelStatus Submit(mtp_wire::FrameHeader header, std::vector<uint8_t>&& payload);
+  // Sends the frame now if nothing is pending and there is room; otherwise (or for what did not go
+  // out) copies the payload into the FIFO. payload is only read during the call.
+  ChannelStatus Submit(mtp_wire::FrameHeader header, const std::vector<uint8_t>& payload);
   ChannelStatus Flush();
   ~OutputChannel();
 
  private:
   struct Pending {
     mtp_wire::FrameHeader header;
-    std::vector<uint8_t> payload;
+    std::vector<uint8_t> payload;  // empty once placed in the ring
     bool in_ring = false;      // payload travels through the ring
     bool placed = false;       // payload already copied into the ring
     uint16_t next_chunk = 0;   // next queue message to send
@@ -65,8 +67,8 @@ class OutputChannel {
   void OpenRing();
   void OpenQueue();
   ChannelStatus FlushLocked();
-  bool Advance(Pending* p);
-  bool PlaceInRing(Pending* p);
+  bool Advance(Pending* p, const uint8_t* payload);
+  bool PlaceInRing(Pending* p, const uint8_t* payload);
   bool SendMessage(mtp_wire::FrameHeader header, const uint8_t* body, size_t size);
   ChannelStatus StatusLocked() const;
 

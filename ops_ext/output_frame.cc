@@ -36,6 +36,7 @@ void Check(bool ok, const char* what) {
 
 struct SectionPlan {
   uint32_t offset[mtp_wire::kNumSections] = {};
+  uint32_t bytes[mtp_wire::kNumSections] = {};  // unpadded
   bool present[mtp_wire::kNumSections] = {};
   uint32_t payload_len = 0;
 };
@@ -51,11 +52,23 @@ SectionPlan PlanSections(uint64_t b, uint64_t n, uint64_t k, uint64_t d, bool lo
     if (spec.needs_logprobs && !logprobs) continue;
     plan.present[i] = true;
     plan.offset[i] = static_cast<uint32_t>(offset);
-    offset += Pad8(counts[spec.count_kind] * spec.elem_size);
+    plan.bytes[i] = static_cast<uint32_t>(counts[spec.count_kind] * spec.elem_size);
+    offset += Pad8(plan.bytes[i]);
   }
   Check(offset <= mtp_wire::kMaxPayload, "frame payload exceeds kMaxPayload");
   plan.payload_len = static_cast<uint32_t>(offset);
   return plan;
+}
+
+// Sizes the (reused) buffer and zeroes only the padding; the sections are all overwritten.
+// NOTE: zero padding keeps frames bit-reproducible.
+void PrepareBuffer(const SectionPlan& plan, std::vector<uint8_t>* payload) {
+  payload->resize(plan.payload_len);
+  for (int i = 0; i < mtp_wire::kNumSections; ++i) {
+    if (!plan.present[i]) continue;
+    const uint32_t end = plan.offset[i] + plan.bytes[i];
+    std::memset(payload->data() + end, 0, Pad8(plan.bytes[i]) - plan.bytes[i]);
+  }
 }
 
 // Valid slots, each with the first row of its tokens in the input tensors.
@@ -190,7 +203,7 @@ FrameHeader PackTokenFrame(const StepTensors& s, const FrameMeta& meta, std::vec
   const bool logprobs = s.has_logprobs && batch.num_tokens > 0;  // NOTE: no tokens, no logprob sections
   const int64_t k = logprobs ? s.num_topk : 0;
   const SectionPlan plan = PlanSections(batch.slots.size(), batch.num_tokens, k, s.draft_width, logprobs);
-  payload->assign(plan.payload_len, 0);  // NOTE: zero padding keeps frames bit-reproducible
+  PrepareBuffer(plan, payload);
   PackRequests(s, batch, plan, payload);
   PackTokens(s, batch, plan, payload);
   if (logprobs) PackLogprobs(s, batch, plan, payload);

@@ -47,7 +47,8 @@ struct FrameMeta {
   uint32_t instance_tag = 0;
 };
 
-// Writes the payload of a token frame into *payload and returns its header (frame_seq, chunk and
+// Writes the payload of a token frame into *payload (resized; callers reuse one buffer, so large
+// frames cost no allocation) and returns its header (frame_seq, chunk and
 // ring fields are the channel's to fill). Throws std::invalid_argument on out-of-range input.
 mtp_wire::FrameHeader PackTokenFrame(const StepTensors& step, const FrameMeta& meta,
                                      std::vector<uint8_t>* payload);

@@ -140,9 +140,9 @@ std::vector<paddle::Tensor> Guard(Fn&& body) {
 
 std::vector<paddle::Tensor> PackAndSend(const StepTensors& step, const mtp_out::FrameMeta& meta,
                                         const ChannelAddress& address) {
-  std::vector<uint8_t> payload;
+  thread_local std::vector<uint8_t> payload;  // reused: a large frame costs no allocation
   const auto header = mtp_out::PackTokenFrame(step, meta, &payload);
-  return {StatusTensor(mtp_out::OutputChannel::Get(address)->Submit(header, std::move(payload)))};
+  return {StatusTensor(mtp_out::OutputChannel::Get(address)->Submit(header, payload))};
 }
 
 std::vector<paddle::Tensor> SendOutput(
@@ -216,7 +216,7 @@ std::vector<paddle::Tensor> SendControl(const paddle::Tensor& x, int code, const
     const auto header = mtp_out::PackControlFrame(code, message, Meta(mtp_wire::kKindControl, step_id, instance_tag), &payload);
     auto* channel = mtp_out::OutputChannel::Get(
         Address(transport, queue, sysv_key, ring, max_msg_bytes, max_pending_bytes, chunked));
-    return std::vector<paddle::Tensor>{StatusTensor(channel->Submit(header, std::move(payload)))};
+    return std::vector<paddle::Tensor>{StatusTensor(channel->Submit(header, payload))};
   });
 }
 
