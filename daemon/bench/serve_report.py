@@ -105,9 +105,10 @@ def _plot_throughput(plt, runs: list[dict], xs: list, path: Path) -> Path:
 
 def _plot_latency(plt, runs: list[dict], xs: list, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E")):
-        ax.plot(xs, [r["summary"][key]["p50"] for r in runs], "o-", label=f"{label} p50")
-        ax.plot(xs, [r["summary"][key]["p99"] for r in runs], "x:", label=f"{label} p99")
+    metrics = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))
+    for (key, label), color in zip(metrics, ("C0", "C1", "C2", "C3")):
+        ax.plot(xs, [r["summary"][key]["p50"] for r in runs], "o-", color=color, label=f"{label} p50")
+        ax.plot(xs, [r["summary"][key]["p99"] for r in runs], "x:", color=color, label=f"{label} p99")
     ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency percentiles")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
