@@ -53,6 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-prompt-len", type=int, default=64)
     p.add_argument("--model-max-tokens", type=int, default=64)
     p.add_argument("--model-rounds", type=int, default=2, help="batches of prompts per (batch, k)")
+    p.add_argument("--model-equality-prompts", type=int, default=50,
+                   help="prompts for the greedy MTP on/off equality check (0 = skip)")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
     p.set_defaults(func=run)
@@ -72,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
         report["model_dir"] = str(args.model)
         report["model"] = run_model_bench(args.model, args.model_batch, args.model_k,
                                           args.model_prompt_len, args.model_max_tokens, args.model_rounds)
+        if args.model_equality_prompts:
+            from mtpserve.bench.engine_equality import equality_report
+            from mtpserve.model.loader import load_model
+
+            report["greedy_equality"] = equality_report(load_model(args.model), args.model,
+                                                        [k for k in args.model_k if k], args.model_equality_prompts, 32)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
