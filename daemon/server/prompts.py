@@ -41,12 +41,13 @@ def split_prompt(prompt: PromptField, limits: RequestLimits) -> list[str] | list
     return parts
 
 
-async def tokenize_prompts(prompt: PromptField, text: TextModel, limits: RequestLimits) -> Prompts:
+async def tokenize_prompts(prompt: PromptField, text: TextModel, limits: RequestLimits,
+                           add_special_tokens: bool = True) -> Prompts:
     parts = split_prompt(prompt, limits)
     if isinstance(parts[0], str):
         if any(not p for p in parts):
             raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
-        ids = await _encode(text, parts, add_special_tokens=True)
+        ids = await _encode(text, parts, add_special_tokens)
         texts = parts
     else:
         ids, texts = parts, []

@@ -47,7 +47,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         ids = await tokenize_chat(req.messages, req.add_generation_prompt, ctx.text, limits)
     else:
-        ids = (await tokenize_prompts(req.prompt, ctx.text, limits)).token_ids[0] if req.prompt else []
+        prompts = await tokenize_prompts(req.prompt, ctx.text, limits, req.add_special_tokens) if req.prompt else None
+        ids = prompts.token_ids[0] if prompts else []
     return web.json_response({"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids})
 
 

@@ -89,3 +89,37 @@ async def test_health_503_while_starting(tmp_path, text_model, settings):
         await server.close()
 
 
+
+
+async def test_health_follows_engine_progress(tmp_path, text_model, settings):
+    """A stopped engine (SIGSTOP: alive, socket open, no heartbeat) turns /health 503; SIGCONT heals."""
+    import asyncio
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    from aiohttp.test_utils import TestServer
+    from conftest import open_fake_output
+    from mtpserve.server.app import make_app
+    fast = dataclasses.replace(settings, heartbeat_timeout=0.5)
+    proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size)
+    server = TestServer(make_app(fast, text_model, tmp_path / "rt", open_fake_output))
+    await server.start_server()
+    base_url = str(server.make_url("")).rstrip("/")
+    try:
+        await wait_healthy(base_url)
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            async with aiohttp.ClientSession() as session:
+                deadline = time.monotonic() + 5
+                while (r := await session.get(base_url + "/health")).status == 200:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                assert r.status == 503 and "heartbeat" in (await r.json())["reason"]
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        await wait_healthy(base_url, timeout_s=5)
+    finally:
+        await server.close()
+        proc.stop()

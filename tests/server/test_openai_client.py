@@ -164,3 +164,15 @@ async def test_mixed_batch_logprobs_only_where_asked(client):
         client.completions.create(model=MODEL_NAME, prompt="c = 3\n", max_tokens=30))
     assert len(with_lp.choices[0].logprobs.tokens) == 30
     assert without.choices[0].logprobs is None
+
+
+async def test_continuous_usage_and_chat_n(client):
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "def f(x): return x"}], max_tokens=6, n=2,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    content = [c for c in chunks if c.choices]
+    assert {c.choices[0].index for c in content} == {0, 1}
+    assert all(c.choices[0].finish_reason == "length" for c in content if c.choices[0].finish_reason)
+    running = [c.usage.completion_tokens for c in content if c.usage is not None]
+    assert running == sorted(running) and running[-1] == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
