@@ -39,9 +39,13 @@ class _Emitter:
         self.reasons: list[int] = []
         self.logprobs: list[tuple | None] = []  # per request: (logprob, rank, top ids, top logprobs)
         self.widths: list[int] = []
+        self.drafted: list[int] = []
+        self.accepted: list[int] = []
 
     def add(self, request_id, tokens: np.ndarray, reason: FinishReason, width: int = -1,
-            logprobs: tuple | None = None) -> None:
+            logprobs: tuple | None = None, request: Request | None = None) -> None:
+        self.drafted.append(request.num_draft_tokens if request else 0)
+        self.accepted.append(request.num_accepted_tokens if request else 0)
         self.ids.append(request_id)
         self.tokens.append(tokens)
         self.reasons.append(int(reason))
@@ -54,7 +58,9 @@ class _Emitter:
         base = StepOutput(step_id, tuple(self.ids),
                           np.fromiter((t.shape[0] for t in self.tokens), np.int32, len(self.tokens)),
                           np.concatenate(self.tokens).astype(np.int64),
-                          np.asarray(self.reasons, np.uint8))
+                          np.asarray(self.reasons, np.uint8),
+                          num_draft_tokens=np.asarray(self.drafted, np.int64),
+                          num_accepted_tokens=np.asarray(self.accepted, np.int64))
         if all(lp is None for lp in self.logprobs):
             return base
         return base._replace(**self._logprob_columns())
@@ -149,7 +155,8 @@ class EngineCore:
             if tokens.shape[0] or reason is not FinishReason.NONE:
                 width = row.request.params.logprobs
                 lp = _row_logprobs(result, i, tokens.shape[0], width)
-                out.add(row.request.request_id, tokens, reason, -1 if width is None else width, lp)
+                out.add(row.request.request_id, tokens, reason, -1 if width is None else width, lp,
+                        row.request)
         self.acceptance.observe(result.num_accepted[verified])
         return out.build(result.step_id)
 

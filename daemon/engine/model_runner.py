@@ -128,6 +128,8 @@ class PaddleModelRunner:
         k = self.num_speculative_tokens
         slots, b = plan.slots, plan.num_rows
         drafts = self.state.drafts[slots]  # [B, k]
+        if self._is_plain_greedy(slots):
+            return self._greedy(plan, paddle.argmax(logits, axis=-1).reshape([b, k + 1]), drafts)
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
         params = self.sampling.row_params(slots, out_index, self.state)
         counts, mask = self.sampling.penalty_inputs(slots, drafts) or (None, None)
@@ -135,7 +137,7 @@ class PaddleModelRunner:
         greedy = paddle.argmax(logits, axis=-1).reshape([b, k + 1])
         if not (self.sampling.temperature[slots] > 0).any():
             # NOTE: an all-greedy batch needs neither probabilities nor random numbers.
-            return self._finish_verify(plan, greedy[:, 0].numpy(), verify_greedy(greedy, paddle.to_tensor(drafts)))
+            return self._greedy(plan, greedy, drafts)
         probs = probs_from(logits, params).reshape([b, k + 1, -1])
         keys, idx = params.keys.reshape([b, k + 1]), params.out_index.reshape([b, k + 1])
         u_sample = rng.uniforms(keys, idx, rng.Purpose.SAMPLE)  # [B, k+1]
@@ -146,6 +148,18 @@ class PaddleModelRunner:
         u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
         res = verify(probs, greedy, paddle.to_tensor(drafts), None, u_accept, u_sample, temperature)
         return self._finish_verify(plan, first, res)
+
+    def _is_plain_greedy(self, slots: np.ndarray) -> bool:
+        """Greedy, no penalties, no stop token masked by min_tokens: the raw argmax decides."""
+        sp, st = self.sampling, self.state
+        return not ((sp.temperature[slots] > 0).any() or sp.has_penalty[slots].any()
+                    or (st.min_tokens[slots] > st.out_len[slots]).any())
+
+    def _greedy(self, plan: StepPlan, greedy: paddle.Tensor, drafts: np.ndarray) -> Verified:
+        """greedy: [B, k+1] argmax per verify row."""
+        if self.num_speculative_tokens == 0:
+            return self._finish_verify(plan, greedy[:, 0].numpy(), None)
+        return self._finish_verify(plan, greedy[:, 0].numpy(), verify_greedy(greedy, paddle.to_tensor(drafts)))
 
     def _finish_verify(self, plan: StepPlan, first: np.ndarray, res: VerifyResult | None) -> Verified:
         """Prefill rows (and every row when k = 0) emit their plain draw `first` [B]."""

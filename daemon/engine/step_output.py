@@ -20,6 +20,9 @@ class StepOutput(NamedTuple):
     top_ids: np.ndarray | None = None  # [N, K] int64, -1 padding
     top_logprobs: np.ndarray | None = None  # [N, K] float32
     num_top_logprobs: np.ndarray | None = None  # [R] int32, -1 = request asked for no logprobs
+    # NOTE: cumulative per-request speculation counters (usage / per-request acceptance metrics).
+    num_draft_tokens: np.ndarray | None = None  # [R] int64
+    num_accepted_tokens: np.ndarray | None = None  # [R] int64
 
     @classmethod
     def empty(cls, step_id: int = -1) -> StepOutput:

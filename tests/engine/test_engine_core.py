@@ -95,10 +95,19 @@ def test_batch_16_with_overlap_equals_batch_1(reference, k):
 def test_acceptance_counters_follow_the_configured_rate():
     texts = prompts(16, seed=3)
     core = make_core(k=2, rate=0.5)
-    run(core, requests_for(texts, max_tokens=200, ignore_eos=True), batch=16)
+    per_request = {}
+    for r in requests_for(texts, max_tokens=200, ignore_eos=True):
+        core.add_request(r)
+    while core.has_unfinished_requests():
+        out = core.step()
+        for i, rid in enumerate(out.request_ids):
+            per_request[rid] = (int(out.num_draft_tokens[i]), int(out.num_accepted_tokens[i]))
+    core.close()
     rates = core.acceptance.per_position_rate()
     # position 0 accepted with p=0.5; position 1 needs both: 0.25
     assert abs(rates[0] - 0.5) < 0.05 and abs(rates[1] - 0.25) < 0.05
+    assert sum(d for d, _ in per_request.values()) == core.acceptance.num_draft_tokens
+    assert sum(a for _, a in per_request.values()) == core.acceptance.num_accepted_tokens
 
 
 @pytest.mark.parametrize("k", [0, 2])
