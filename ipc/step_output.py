@@ -56,14 +56,19 @@ class StepOutput:
     def requests(self) -> list[RequestOutput]:
         """Split per request. NOTE: one tolist() per array, then list slices: no per-token loop."""
         cu = self.cu_tokens().tolist()
-        cols = [a.tolist() if a is not None else None
-                for a in (self.token_ids, self.logprob, self.rank, self.topk_ids, self.topk_logprobs)]
-        drafts = self.draft_ids.tolist() if self.draft_ids is not None else None
-        heads = zip(self.req_ids.tolist(), self.seq.tolist(), self.finish.tolist())
-        return [RequestOutput(rid, seq, fin,
-                              *[c[cu[i]:cu[i + 1]] if c is not None else None for c in cols],
-                              drafts[i] if drafts is not None else None)
-                for i, (rid, seq, fin) in enumerate(heads)]
+        spans = list(zip(cu[:-1], cu[1:]))
+        tokens = self.token_ids.tolist()
+        heads = zip(self.req_ids.tolist(), self.seq.tolist(), self.finish.tolist(), spans)
+        if self.logprob is None:
+            drafts = self.draft_ids.tolist() if self.draft_ids is not None else [None] * len(spans)
+            return [RequestOutput(rid, seq, fin, tokens[a:b], None, None, None, None, d)
+                    for (rid, seq, fin, (a, b)), d in zip(heads, drafts)]
+        lp, rank = self.logprob.tolist(), self.rank.tolist()
+        top_ids, top_lp = self.topk_ids.tolist(), self.topk_logprobs.tolist()
+        drafts = self.draft_ids.tolist() if self.draft_ids is not None else [None] * len(spans)
+        return [RequestOutput(rid, seq, fin, tokens[a:b], lp[a:b], rank[a:b], top_ids[a:b],
+                              top_lp[a:b], d)
+                for (rid, seq, fin, (a, b)), d in zip(heads, drafts)]
 
 
 @dataclass(frozen=True, slots=True)
