@@ -120,7 +120,8 @@ def to_sampling_params(req: SamplingFields, num_prompt_tokens: int, limits: Requ
     if min_tokens > max_tokens:
         raise bad_request(f"`min_tokens` ({min_tokens}) exceeds the maximum tokens ({max_tokens}).", "min_tokens")
     return SamplingParams(
-        max_tokens=max_tokens, min_tokens=min_tokens, **_sampling_knobs(req), **_logprob_knobs(req))
+        max_tokens=max_tokens, min_tokens=min_tokens, **_sampling_knobs(req, limits.vocab_size),
+        **_logprob_knobs(req))
 
 
 def _requested_max_tokens(req: SamplingFields) -> tuple[int | None, str]:
@@ -129,8 +130,8 @@ def _requested_max_tokens(req: SamplingFields) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-def _sampling_knobs(req: SamplingFields) -> dict:
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+def _sampling_knobs(req: SamplingFields, vocab_size: int) -> dict:
+    top_k = req.top_k if req.top_k is not None and 0 < req.top_k < vocab_size else 0  # >= vocab: no cut
     return dict(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
