@@ -39,7 +39,11 @@ _LEN = struct.Struct("<I")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-request sampling, already validated by the HTTP process (n is fanned out there)."""
+    """Per-request sampling, already validated by the HTTP process (n is fanned out there).
+
+    NOTE: field names and meanings are those of mtpserve.engine.request.SamplingParams, so rank 0
+    converts with `SamplingParams(**msgspec.structs.asdict(msg.sampling))`.
+    """
 
     max_tokens: int
     min_tokens: int = 0
@@ -47,14 +51,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # in [0, 2**64)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False  # emit the sampled token's logprob (and rank)
-    top_logprobs: int = 0  # width of the top-k list per emitted token, 0..20
+    logprobs: int | None = None  # None: no logprobs; n: the sampled token's logprob plus the top n (<= 20)
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):

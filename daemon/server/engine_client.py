@@ -113,7 +113,7 @@ class EngineClient:
                            code="rate_limit_exceeded")
 
     def _make_choices(self, req: GenerateRequest) -> list[ChoiceState]:
-        width = req.params.top_logprobs if req.params.logprobs else None
+        width = req.params.logprobs  # None: the request wants no logprobs
         return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder), req.stops, width,
                             self._metrics, req.arrival)
                 for index in range(len(req.prompts) * req.n)]
@@ -149,4 +149,4 @@ def _params_for(params: SamplingParams, sample_index: int) -> SamplingParams:
     """Choice i of n gets seed + i, so n seeded samples differ yet stay reproducible."""
     if params.seed is None or sample_index == 0:
         return params
-    return msgspec.structs.replace(params, seed=params.seed + sample_index)
+    return msgspec.structs.replace(params, seed=(params.seed + sample_index) % 2**64)

@@ -135,7 +135,7 @@ def _sampling_knobs(req: SamplingFields, vocab_size: int) -> dict:
     return dict(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-        min_p=req.min_p or 0.0, seed=req.seed,
+        min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed % 2**64,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
@@ -144,5 +144,5 @@ def _sampling_knobs(req: SamplingFields, vocab_size: int) -> dict:
 
 def _logprob_knobs(req: SamplingFields) -> dict:
     if isinstance(req, CompletionRequest):
-        return dict(logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
-    return dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0 if req.logprobs else 0)
+        return dict(logprobs=req.logprobs)
+    return dict(logprobs=(req.top_logprobs or 0) if req.logprobs else None)

@@ -25,7 +25,7 @@ from mtpserve.ipc.request_channel import (
 FULL_SAMPLING = SamplingParams(
     max_tokens=77, min_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234,
     presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1, stop_token_ids=(7, 9),
-    ignore_eos=True, logprobs=True, top_logprobs=20,
+    ignore_eos=True, logprobs=20,
 )
 TO_ENGINE = [
     AddRequest(request_id=2**40 + 5, prompt_token_ids=list(range(1000)), sampling=FULL_SAMPLING, arrival_time=12.5),
@@ -163,3 +163,17 @@ async def _wait_for_clients(server, n):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("client never registered")
+
+
+def test_sampling_params_convert_to_the_engines():
+    """The wire struct and mtpserve.engine.request.SamplingParams must not drift apart."""
+    import dataclasses
+
+    from mtpserve.engine.request import SamplingParams as EngineSamplingParams
+
+    wire_fields = set(SamplingParams.__struct_fields__)
+    engine_fields = {f.name for f in dataclasses.fields(EngineSamplingParams)}
+    assert wire_fields == engine_fields
+    for params in (FULL_SAMPLING, SamplingParams(max_tokens=1), SamplingParams(max_tokens=5, logprobs=0)):
+        converted = EngineSamplingParams(**msgspec.structs.asdict(params))
+        assert dataclasses.asdict(converted) == msgspec.structs.asdict(params)

@@ -69,7 +69,7 @@ class FakeEngine:
         while True:
             self.intake()
             if self.running:
-                width = max(r.params.top_logprobs for r in self.running.values())
+                width = max(r.params.logprobs or 0 for r in self.running.values())
                 await self.sink.send(self.step(), self.step_id, width)
             if loop.time() - last_stats > 0.05:
                 self.server.send(self.stats())
@@ -104,7 +104,7 @@ class FakeEngine:
             finish = self._finish_reason(req, token, len(req.generated) + len(new))
         if is_decode and self.args.k:
             self._count_spec(len(new) - 1)  # NOTE: counts what was emitted (max_tokens may cut a step)
-        row = OutputRow(req.add.request_id, len(req.generated), new, params.logprobs, finish)
+        row = OutputRow(req.add.request_id, len(req.generated), new, params.logprobs is not None, finish)
         req.generated += new
         return row
 
