@@ -128,6 +128,13 @@ class OutputChannel:
         if not self.ring.is_closed:
             self.ring.close()
 
+    def __enter__(self) -> "OutputChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """The owner removes the channel, anyone else unmaps it."""
+        self.remove() if self.is_owner else self.close()
+
 
 def remove_stale(instance: str) -> list[str]:
     """Remove this instance's objects left by a dead owner; raise ChannelBusyError if it lives."""

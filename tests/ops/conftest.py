@@ -13,9 +13,6 @@ from mtpserve import ops  # noqa: E402
 from mtpserve.ipc.output_channel import OutputChannel  # noqa: E402
 from wire_strategies import VOCAB  # noqa: E402
 
-MODES = [("posix", False), ("sysv", False), ("posix", True), ("sysv", True)]
-MODE_IDS = ["posix-ring", "sysv-ring", "posix-chunked", "sysv-chunked"]
-
 
 @pytest.fixture
 def open_channel():

@@ -8,7 +8,7 @@ import paddle
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from conftest import MODE_IDS, MODES
+from output_modes import MODE_IDS, MODES
 from mtpserve import ops
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_reader import OutputReader
@@ -155,3 +155,32 @@ async def test_asyncio_reader_receives_op_frames(open_channel, transport):
         assert_frame_matches(await asyncio.wait_for(reader.get(), 2), step)
     assert reader.stats.seq_errors == 0
     await reader.close()
+
+
+def test_a_skipped_token_is_flagged_on_that_request_only(open_channel):
+    ch, sender = open_channel("posix")
+    reader = PollingReader(ch)
+    sent = list(advancing_steps(3, 8, 2, 3))
+    sent[2] = sent[2]._replace(seq=sent[2].seq + np.eye(8, dtype=np.int64)[3])  # engine skipped one
+    frames = [f for i, step in enumerate(sent) for f in deliver(sender, reader, send(sender, step, i))]
+    assert frames[0].seq_ok is None and frames[1].seq_ok is None
+    assert frames[2].seq_ok.tolist() == [i != 3 for i in range(8)]
+    assert reader.stats.seq_errors == 1
+    reader.close()
+
+
+def test_a_ring_descriptor_outside_the_written_span_is_rejected(open_channel):
+    from mtpserve.ipc import sysv
+    from mtpserve.ipc.wire_encode import encode_header
+
+    ch, sender = open_channel("sysv")
+    reader = PollingReader(ch)
+    bogus = encode_header(kind=int(wire.Kind.TARGET), flags=int(wire.Flag.IN_RING),
+                          instance_tag=ch.address.instance_tag, payload_len=30_000,
+                          ring_pos=1 << 20)
+    assert sysv.send(sysv.open_existing(ch.address.sysv_key), bogus)
+    step = make_step(0, 64, 4, 8, True)
+    frames = deliver(sender, reader, send(sender, step))
+    assert len(frames) == 1 and reader.stats.rejected == {"ring": 1}
+    assert_frame_matches(frames[0], step._replace(seq=step.seq))
+    reader.close()
