@@ -116,3 +116,17 @@ async def test_metrics_names(fake_server):
         assert name in text, name
     assert gauge(text, "vllm:generation_tokens_total") == 30
     assert gauge(text, "vllm:spec_decode_num_drafts_total") > 0
+
+
+async def test_stop_string_aborts_the_engine_request(fake_server, text_model):
+    base_url, _ = fake_server
+    prompt = "value = compute(value)\nresult = value\n"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1500, "stop": ["result"]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(base_url + "/v1/completions", json=body) as r:
+            out = await r.json()
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 40
+        t0 = time.monotonic()
+        while gauge(await metrics(session, base_url), "vllm:num_requests_running") != 0:
+            assert time.monotonic() - t0 < 1.0, "the engine kept generating after the stop string"
+            await asyncio.sleep(0.02)
