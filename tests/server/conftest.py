@@ -95,10 +95,10 @@ MODEL_NAME = "tiny-test"
 class FakeEngineProcess:
     """The supervisor's part for a test: own the output channel, run the fake engine, clean up."""
 
-    def __init__(self, runtime_dir: Path, vocab_size: int, *extra: str) -> None:
+    def __init__(self, runtime_dir: Path, vocab_size: int, *extra: str, transport: str = "posix") -> None:
         runtime_dir.mkdir(mode=0o700, exist_ok=True)
         self.instance = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.channel = OutputChannel.create(self.instance, "posix")
+        self.channel = OutputChannel.create(self.instance, transport)
         self.proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), str(runtime_dir), self.instance,
                                       "--vocab-size", str(vocab_size), *extra], cwd=FAKE_ENGINE.parent)
 
@@ -111,8 +111,8 @@ class FakeEngineProcess:
         self.channel.remove()
 
 
-def start_fake_engine(runtime_dir: Path, vocab_size: int, *extra: str) -> FakeEngineProcess:
-    return FakeEngineProcess(runtime_dir, vocab_size, *extra)
+def start_fake_engine(runtime_dir: Path, vocab_size: int, *extra: str, transport: str = "posix") -> FakeEngineProcess:
+    return FakeEngineProcess(runtime_dir, vocab_size, *extra, transport=transport)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -143,16 +143,22 @@ def engine_args() -> list[str]:
     return []
 
 
+@pytest.fixture(params=["posix"])
+def transport(request) -> str:
+    """Output-channel transport of the fake engine; modules override it to run both."""
+    return request.param
+
+
 @pytest.fixture
 def settings() -> HttpSettings:
     return HttpSettings(model_name=MODEL_NAME, max_concurrent_requests=128, max_body_bytes=64 * 1024)
 
 
 @pytest.fixture
-async def fake_server(tmp_path, text_model, settings, engine_args):
+async def fake_server(tmp_path, text_model, settings, engine_args, transport):
     """(base_url, app) of an HTTP app connected to a fake engine process; both stopped afterwards."""
     runtime_dir = tmp_path / "rt"
-    proc = start_fake_engine(runtime_dir, text_model.vocab_size, *engine_args)
+    proc = start_fake_engine(runtime_dir, text_model.vocab_size, *engine_args, transport=transport)
     app = make_app(settings, text_model, runtime_dir, open_fake_output)
     server = TestServer(app, handler_cancellation=True)
     await server.start_server()

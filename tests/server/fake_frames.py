@@ -2,7 +2,8 @@
 encoder the C++ packer is tested against) sent on the instance's POSIX queue.
 
 A step is split into as many frames as it takes for each to fit one stock queue message (8192 B),
-so no ring writer is needed; a full queue is waited on (back-pressure), never dropped.
+so no ring writer is needed; a full queue is waited on (back-pressure), never dropped. Both
+transports: POSIX (posix_ipc) and SysV (ipc/sysv.py), whichever the channel was created with.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import posix_ipc
 
-from mtpserve.ipc import wire
+from mtpserve.ipc import sysv, wire
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.wire_encode import encode_token_frame
 
@@ -33,7 +34,10 @@ class FrameSink:
     def __init__(self, instance: str) -> None:
         self.channel = OutputChannel.attach(instance)
         self.instance = instance
-        self._mq = posix_ipc.MessageQueue(self.channel.address.queue_name, read=False, write=True)
+        address = self.channel.address
+        self._is_posix = address.transport is wire.Transport.POSIX
+        self._mq = posix_ipc.MessageQueue(address.queue_name, read=False, write=True) if self._is_posix else None
+        self._qid = None if self._is_posix else sysv.open_existing(address.sysv_key)
         self._max_bytes = self.channel.address.max_msg_bytes
         self._frame_seq = 0
 
@@ -65,15 +69,21 @@ class FrameSink:
         return frame
 
     async def _send_one(self, frame: bytes) -> None:
-        while True:
-            try:
-                self._mq.send(frame, timeout=0)
-                return
-            except posix_ipc.BusyError:
-                await asyncio.sleep(0.001)  # the reader is behind: wait, never drop
+        while not self._try_send(frame):
+            await asyncio.sleep(0.001)  # the reader is behind: wait, never drop
+
+    def _try_send(self, frame: bytes) -> bool:
+        if not self._is_posix:
+            return sysv.send(self._qid, frame)
+        try:
+            self._mq.send(frame, timeout=0)
+            return True
+        except posix_ipc.BusyError:
+            return False
 
     def close(self) -> None:
-        self._mq.close()
+        if self._mq is not None:
+            self._mq.close()
         self.channel.close()
 
 

@@ -6,6 +6,11 @@ from openai import AsyncOpenAI
 from conftest import MODEL_NAME
 
 
+@pytest.fixture(params=["posix", "sysv"])
+def transport(request) -> str:
+    return request.param
+
+
 @pytest.fixture
 async def client(fake_server):
     base_url, _ = fake_server
