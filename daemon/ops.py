@@ -11,12 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import paddle
 from paddle import _C_ops
 from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import ChannelAddress
+
+
+HostArray = paddle.Tensor | np.ndarray  # a host (CPU / pinned) tensor, or NumPy
 
 
 class OpsNotBuiltError(RuntimeError):
@@ -60,10 +64,10 @@ class SendStatus(NamedTuple):
 class StepLogprobs(NamedTuple):
     """Host tensors of one step's logprobs, indexed like token_ids (flat [N] or padded [B, T])."""
 
-    logprob: paddle.Tensor  # [N] / [B, T] float32: the sampled token's logprob
-    rank: paddle.Tensor  # [N] / [B, T] int32|int64: its rank (1 = most likely)
-    topk_ids: paddle.Tensor  # [N, K_max] / [B, T, K_max] int32|int64
-    topk_logprobs: paddle.Tensor  # [N, K_max] / [B, T, K_max] float32
+    logprob: HostArray  # [N] / [B, T] float32: the sampled token's logprob
+    rank: HostArray  # [N] / [B, T] int32|int64: its rank (1 = most likely)
+    topk_ids: HostArray | None  # [N, K_max] / [B, T, K_max] int32|int64; -1 pads; None when K is 0
+    topk_logprobs: HostArray | None  # [N, K_max] / [B, T, K_max] float32
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class OutputSender:
     """Rank-side handle of an output channel: wraps the mtp_output_* ops with the channel's attributes.
 
     Build it on every rank; only the rank equal to send_rank packs and sends, the others get zeros.
-    All tensors are host (CPU / pinned) tensors; ids and counts may be int32 or int64.
+    Inputs are host (CPU / pinned) paddle tensors or NumPy arrays; ids and counts may be int32 or
+    int64. Request ids are int64 (the request channel's ids); rows with an id < 0 are skipped.
     """
 
     address: ChannelAddress
@@ -85,8 +90,8 @@ class OutputSender:
         return (self.rank, self.send_rank, int(a.transport), a.queue_name, a.sysv_key, a.ring_name,
                 a.max_msg_bytes, self.max_pending_bytes, a.chunked)
 
-    def send_step(self, *, step_id: int, req_ids: paddle.Tensor, seq: paddle.Tensor,
-                  num_tokens: paddle.Tensor, finish: paddle.Tensor, token_ids: paddle.Tensor,
+    def send_step(self, *, step_id: int, req_ids: HostArray, seq: HostArray,
+                  num_tokens: HostArray, finish: HostArray, token_ids: HostArray,
                   logprobs: StepLogprobs | None = None, num_topk: int = 0,
                   kind: wire.Kind = wire.Kind.TARGET) -> paddle.Tensor:
         """Send one TARGET (or DRAFT) frame; returns status int64[4] (see SendStatus).
@@ -95,24 +100,28 @@ class OutputSender:
         · num_tokens [B] · finish [B] wire.Finish · token_ids [N] flat or [B, T] padded.
         num_topk: the real top-k width to send (<= K_max, <= 20).
         """
-        lp = logprobs or (None, None, None, None)
+        lp = _tensors(*(logprobs or (None, None, None, None)))
+        req_ids, seq, num_tokens, finish, token_ids = _tensors(req_ids, seq, num_tokens, finish,
+                                                                token_ids)
         return _run_one("mtp_output_send", req_ids, seq, num_tokens, finish, token_ids, *lp, None,
-                      int(kind), step_id, num_topk if logprobs else 0, self.vocab_size,
-                      self.address.instance_tag, *self._address_attrs())
+                         int(kind), step_id, num_topk if logprobs else 0, self.vocab_size,
+                         self.address.instance_tag, *self._address_attrs())
 
-    def send_first_token(self, *, step_id: int, req_ids: paddle.Tensor, seq: paddle.Tensor,
-                         finish: paddle.Tensor, token_ids: paddle.Tensor,
+    def send_first_token(self, *, step_id: int, req_ids: HostArray, seq: HostArray,
+                         finish: HostArray, token_ids: HostArray,
                          logprobs: StepLogprobs | None = None, num_topk: int = 0,
-                         draft_ids: paddle.Tensor | None = None) -> paddle.Tensor:
+                         draft_ids: HostArray | None = None) -> paddle.Tensor:
         """Send a FIRST_TOKEN frame from a prefill instance: token_ids [B], draft_ids [B, D]."""
-        lp = logprobs or (None, None, None, None)
+        lp = _tensors(*(logprobs or (None, None, None, None)))
+        req_ids, seq, finish, token_ids, draft_ids = _tensors(req_ids, seq, finish, token_ids,
+                                                              draft_ids)
         return _run_one("mtp_output_send_first_token", req_ids, seq, finish, token_ids, *lp, draft_ids,
-                      step_id, num_topk if logprobs else 0, self.vocab_size,
-                      self.address.instance_tag, *self._address_attrs())
+                         step_id, num_topk if logprobs else 0, self.vocab_size,
+                         self.address.instance_tag, *self._address_attrs())
 
     def send_control(self, code: wire.ControlCode, message: str, step_id: int = 0) -> paddle.Tensor:
         return _run_one("mtp_output_control", _dummy(), int(code), message, step_id,
-                      self.address.instance_tag, *self._address_attrs())
+                         self.address.instance_tag, *self._address_attrs())
 
     def flush(self) -> paddle.Tensor:
         """Retry pending frames; returns the status."""
@@ -129,7 +138,13 @@ def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finis
     """The frame the send op would build, as uint8 bytes (frame_seq 0, unchunked): for tests."""
     lp = logprobs or (None, None, None, None)
     return _run_one("mtp_output_pack", req_ids, seq, num_tokens, finish, token_ids, *lp, draft_ids,
-                  int(kind), step_id, num_topk if logprobs else 0, vocab_size, instance_tag)
+                     int(kind), step_id, num_topk if logprobs else 0, vocab_size, instance_tag)
+
+
+def _tensors(*arrays) -> tuple:
+    """Host tensors for the op; NumPy arrays are wrapped (one copy each), None stays None."""
+    return tuple(a if a is None or isinstance(a, paddle.Tensor) else paddle.to_tensor(a)
+                 for a in arrays)
 
 
 @functools.cache

@@ -157,7 +157,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("token_ids", "<i4", CountKind.PER_TOKEN, False),
     Section("logprob", "<f4", CountKind.PER_TOKEN, True),
     Section("rank", "<i4", CountKind.PER_TOKEN, True),
-    Section("topk_ids", "<i4", CountKind.PER_TOKEN_TOPK, True),
+    Section("topk_ids", "<i4", CountKind.PER_TOKEN_TOPK, True),  # -1: padding
     Section("topk_logprobs", "<f4", CountKind.PER_TOKEN_TOPK, True),
     Section("draft_ids", "<i4", CountKind.PER_REQ_DRAFT, False),
 )

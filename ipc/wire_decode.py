@@ -119,10 +119,9 @@ def _check_content(h: FrameHeader, v: dict[str, np.ndarray], vocab_size: int | N
     _check(int(v["num_tokens"].sum()) == h.num_tokens, "content", "num_tokens sum")
     _check(int(v["finish"].view(np.uint32).max()) <= _MAX_FINISH, "content", "finish status")
     hi = vocab_size if vocab_size is not None else 2**31
-    for name in ("token_ids", "topk_ids"):
+    ids = v["token_ids"]
+    _check(not ids.size or int(ids.view(np.uint32).max()) < hi, "content", "token_ids range")
+    for name in ("topk_ids", "draft_ids"):  # -1 pads: fewer alternatives asked, no draft
         ids = v.get(name)
         if ids is not None and ids.size:
-            _check(int(ids.view(np.uint32).max()) < hi, "content", f"{name} range")
-    drafts = v.get("draft_ids")
-    if drafts is not None and drafts.size:  # -1 = no draft
-        _check(int((drafts.view(np.uint32) + np.uint32(1)).max()) <= hi, "content", "draft_ids range")
+            _check(int((ids.view(np.uint32) + np.uint32(1)).max()) <= hi, "content", f"{name} range")

@@ -145,7 +145,8 @@ void PackLogprobRow(const StepTensors& s, int64_t row, int64_t o, const SectionP
   At<int32_t>(out, plan, mtp_wire::kSectionRank)[o] = static_cast<int32_t>(s.rank[row]);
   auto* ids = At<int32_t>(out, plan, mtp_wire::kSectionTopkIds) + o * k;
   const int64_t base = row * s.topk_cols;
-  for (int64_t c = 0; c < k; ++c) ids[c] = TokenId(s.topk_ids[base + c], s.vocab_size, false);
+  // NOTE: -1 pads top-k rows of requests that asked for fewer (or no) alternatives.
+  for (int64_t c = 0; c < k; ++c) ids[c] = TokenId(s.topk_ids[base + c], s.vocab_size, true);
   std::memcpy(At<float>(out, plan, mtp_wire::kSectionTopkLogprobs) + o * k, s.topk_logprobs + base,
               sizeof(float) * k);
 }

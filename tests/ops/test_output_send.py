@@ -184,3 +184,18 @@ def test_a_ring_descriptor_outside_the_written_span_is_rejected(open_channel):
     assert len(frames) == 1 and reader.stats.rejected == {"ring": 1}
     assert_frame_matches(frames[0], step._replace(seq=step.seq))
     reader.close()
+
+
+def test_numpy_inputs_and_padded_top_k_ids_pass(open_channel):
+    """The engine's NumPy outputs go in as they are; -1 pads top-k rows of requests asking fewer."""
+    ch, sender = open_channel("posix")
+    reader = PollingReader(ch)
+    step = make_step(2, 6, 3, 4, True)
+    step = step._replace(topk_ids=np.where(np.arange(4) < 2, step.topk_ids, -1))
+    sender.send_step(step_id=0, req_ids=step.req_ids, seq=step.seq, num_tokens=step.num_tokens,
+                     finish=step.finish, token_ids=step.token_ids, num_topk=4,
+                     logprobs=ops.StepLogprobs(step.logprob, step.rank, step.topk_ids,
+                                               step.topk_logprobs))
+    (frame,) = reader.poll()
+    assert_frame_matches(frame, step)
+    reader.close()
