@@ -47,8 +47,20 @@ _RANGE_CHECKS: list[Check] = [
 ]
 
 
+# field, "is it the default (or an equivalent)?" predicate
+_UNSUPPORTED: list[tuple[str, Callable[[object], bool]]] = [
+    ("best_of", lambda v: v == 1),
+    ("logit_bias", lambda v: not v),
+    ("response_format", lambda v: v.get("type", "text") == "text"),
+    ("prompt_logprobs", lambda v: False),
+    ("tools", lambda v: not v),
+    ("suffix", lambda v: not v),
+]
+
+
 def check_fields(req: SamplingFields, limits: RequestLimits) -> None:
     """Raise a 400 naming the first invalid field."""
+    check_unsupported(req)
     for name, is_valid, message in _RANGE_CHECKS:
         value = getattr(req, name, None)
         if value is not None and (_is_nan(value) or not is_valid(value)):
@@ -58,6 +70,13 @@ def check_fields(req: SamplingFields, limits: RequestLimits) -> None:
     _check_logprobs(req, limits.max_top_logprobs)
     if req.stream_options is not None and not req.stream:
         raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    for name, is_default in _UNSUPPORTED:
+        value = getattr(req, name, None)
+        if value is not None and not is_default(value):
+            raise bad_request(f"`{name}` is not supported by this server.", name, "unsupported_parameter")
 
 
 def _is_nan(value: object) -> bool:

@@ -39,6 +39,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted so that a request using them is refused by name instead of silently served without
+    # them (sampling.check_unsupported); unknown extra fields are ignored, as OpenAI does.
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    prompt_logprobs: int | None = None
+    tools: list | None = None
 
 
 # NOTE: msgspec allows one array type per union, so list shapes are told apart in sampling.py.
@@ -49,6 +56,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: PromptField
     logprobs: int | None = None
     echo: bool | None = None
+    suffix: str | None = None
 
 
 class TextPart(msgspec.Struct):
