@@ -8,6 +8,10 @@
 4. A removed queue (SysV msgrcv fails with EIDRM; POSIX: the ring's closed flag or the queue's name
    is gone, polled every liveness_interval seconds) marks the engine dead: get() raises EngineDead,
    and the HTTP side answers 503 instead of waiting forever.
+5. Back-pressure reaches the engine: at most max_buffered decoded frames wait for get(). Past that the
+   POSIX reader leaves the descriptor alone and the SysV thread waits, so the queue and the ring fill
+   and the engine's send op reports pending frames (and pauses) instead of this process buffering
+   without bound.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class OutputReader:
     """Reads one channel; `await get()` returns the next frame in order."""
 
     def __init__(self, channel: OutputChannel, *, vocab_size: int | None = None,
-                 track_seq: bool = True, liveness_interval: float = 0.5) -> None:
+                 track_seq: bool = True, liveness_interval: float = 0.5,
+                 max_buffered: int = 64) -> None:
         self.channel = channel
         self.tracker = SeqTracker() if track_seq else None
         self._assembler = FrameAssembler(channel.address.instance_tag, channel.ring,
@@ -48,6 +53,9 @@ class OutputReader:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._liveness: asyncio.TimerHandle | None = None
+        self._max_buffered = max_buffered
+        self._paused = False  # POSIX: descriptor unregistered while max_buffered frames wait
+        self._slots = threading.Semaphore(max_buffered)  # SysV: frames the thread may hand over
 
     @property
     def stats(self) -> ReaderStats:
@@ -67,6 +75,9 @@ class OutputReader:
         if frame is None:
             self._frames.put_nowait(None)  # every later get() raises too
             raise EngineDead(self.dead_reason or "output channel closed")
+        self._slots.release()
+        if self._paused:
+            self._resume_posix()
         return frame
 
     async def close(self) -> None:
@@ -78,6 +89,8 @@ class OutputReader:
             self._mq.close()
             self._mq = None
         if self._thread is not None:
+            for _ in range(self._max_buffered):  # a thread waiting for a slot wakes and sees closing
+                self._slots.release()
             await self._stop_thread()
 
     # POSIX ---------------------------------------------------------------------------------
@@ -88,11 +101,22 @@ class OutputReader:
 
     def _drain_posix(self) -> None:
         while self._mq is not None:
+            if self._frames.qsize() >= self._max_buffered:
+                self._loop.remove_reader(self._mq.mqd)  # the queue fills: the engine sees it
+                self._paused = True
+                return
             try:
                 message, _ = self._mq.receive()
             except posix_ipc.BusyError:
                 return
             self._deliver(self._assembler.feed(message))
+
+    def _resume_posix(self) -> None:
+        if self._mq is None or self._frames.qsize() >= self._max_buffered:
+            return
+        self._paused = False
+        self._loop.add_reader(self._mq.mqd, self._drain_posix)
+        self._drain_posix()
 
     # SysV ----------------------------------------------------------------------------------
     def _start_sysv(self) -> None:
@@ -114,6 +138,9 @@ class OutputReader:
                 return
             frame = self._assembler.feed(body)
             if frame is not None:
+                self._slots.acquire()  # waits while max_buffered frames are unread
+                if self._closing:
+                    return
                 self._loop.call_soon_threadsafe(self._frames.put_nowait, frame)
 
     async def _stop_thread(self) -> None:
@@ -128,6 +155,7 @@ class OutputReader:
     # both ----------------------------------------------------------------------------------
     def _deliver(self, frame: Frame | None) -> None:
         if frame is not None:
+            self._slots.acquire(blocking=False)  # keeps the count shared with get() balanced
             self._frames.put_nowait(frame)
 
     def _check_alive(self) -> None:
@@ -143,6 +171,5 @@ class OutputReader:
             return
         self.dead_reason = reason
         if self._mq is not None:
-            self._drain_posix()  # frames already queued still count
             self._loop.remove_reader(self._mq.mqd)
         self._frames.put_nowait(None)

@@ -199,3 +199,26 @@ def test_numpy_inputs_and_padded_top_k_ids_pass(open_channel):
     (frame,) = reader.poll()
     assert_frame_matches(frame, step)
     reader.close()
+
+
+@pytest.mark.parametrize("transport", ["posix", "sysv"])
+async def test_a_slow_consumer_pushes_back_to_the_engine(open_channel, transport):
+    """The reader buffers at most max_buffered frames; then the queue and the ring fill and the send
+    op reports pending frames. Once the consumer catches up, every frame arrives, in order."""
+    ch, sender = open_channel(transport, ring_bytes=200_000)
+    reader = OutputReader(ch, max_buffered=2)
+    await reader.start()
+    sent = list(advancing_steps(40, 64, 4, 8))  # ~21 KB each: through the ring
+    status = None
+    for i, step in enumerate(sent):
+        status = send(sender, step, i)
+        await asyncio.sleep(0.002)  # the reader runs, but nobody calls get()
+    assert status.frames_pending > 0
+    got = []
+    while len(got) < len(sent):
+        got.append(await asyncio.wait_for(reader.get(), 2))
+        status = ops.SendStatus.of(sender.flush())
+    assert [f.step_id for f in got] == list(range(40)) and status.frames_pending == 0
+    for frame, step in zip(got, sent):
+        assert_frame_matches(frame, step)
+    await reader.close()
