@@ -96,6 +96,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.wait_seconds = 0.0  # host time blocked on device results (the per-step sync)
+        self.num_discarded_rows = 0  # rows computed for requests already finished/aborted/preempted
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -111,6 +112,11 @@ class EngineCore:
             return False
         self._aborted.append(request_id)
         return True
+
+    @property
+    def num_inflight_steps(self) -> int:
+        """Steps launched on the device and not collected yet (1 between calls when overlapping)."""
+        return len(self._inflight)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
@@ -145,7 +151,8 @@ class EngineCore:
         verified = []
         for i, row in enumerate(plan.rows):
             if not self.scheduler.is_current(row):
-                continue  # finished, aborted or preempted after this step was launched
+                self.num_discarded_rows += 1  # finished, aborted or preempted after launch
+                continue
             tokens = result.token_ids[i, :result.num_emitted[i]]
             reason = FinishReason(int(result.finish_reason[i]))
             if not row.is_prefill and result.is_valid[i]:

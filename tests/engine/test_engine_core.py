@@ -180,3 +180,30 @@ def test_abort_in_every_phase_leaves_no_state(reference, overlap, phase):
     assert not col.after_finish
     assert len(col.tokens.get(target, [])) == seen  # nothing emitted after the abort
     assert col.tokens["keep"] == ref.tokens["r0"]
+
+
+def test_overlap_keeps_a_step_on_the_device_between_calls():
+    """With overlap, step() returns while the next step runs, so intake and planning happen during
+    device time; without it, nothing is in flight between calls."""
+    for overlap, expected in ((True, 1), (False, 0)):
+        sched = SchedulerConfig(max_num_seqs=4, num_blocks=64, block_size=4)
+        runner = SyntheticRunner(SyntheticConfig(step_time_s=0.02, vocab_size=VOCAB, max_num_seqs=4,
+                                                 num_blocks=64, block_size=4))
+        core = EngineCore(EngineConfig(sched, overlap=overlap), runner)
+        core.add_request(EngineRequest("a", (1, 2, 3), greedy(max_tokens=10, ignore_eos=True)))
+        in_flight = []
+        while core.has_unfinished_requests():
+            core.step()
+            in_flight.append(core.num_inflight_steps)
+        core.close()
+        assert max(in_flight) == expected and in_flight.count(expected) >= 8
+
+
+def test_one_step_lag_rows_are_discarded_and_change_nothing():
+    texts = prompts(40, seed=7)
+    lagged = make_core(k=2, overlap=True)
+    got = run(lagged, requests_for(texts, max_tokens=60))
+    plain = make_core(k=2, overlap=False)
+    ref = run(plain, requests_for(texts, max_tokens=60))
+    assert got.tokens == ref.tokens and got.reasons == ref.reasons
+    assert lagged.num_discarded_rows > 0 and plain.num_discarded_rows == 0
