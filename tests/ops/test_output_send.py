@@ -7,6 +7,7 @@ import numpy as np
 import paddle
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from output_modes import MODE_IDS, MODES
 from mtpserve import ops
@@ -222,3 +223,41 @@ async def test_a_slow_consumer_pushes_back_to_the_engine(open_channel, transport
     for frame, step in zip(got, sent):
         assert_frame_matches(frame, step)
     await reader.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 60), st.booleans()),
+                min_size=1, max_size=12))
+def test_frames_of_mixed_sizes_wrap_a_small_ring_in_order(open_channel, plan):
+    """Inline and ring frames of random sizes, read at random moments, through a 64 KB ring."""
+    ch, sender = open_channel("sysv", ring_bytes=64_000)
+    reader = PollingReader(ch, track_seq=False)
+    sent, got, status = [], [], None
+    for i, (seed, batch, read_now) in enumerate(plan):
+        sent.append(make_step(seed, batch, 4, 10, True))
+        status = send(sender, sent[-1], i)
+        if read_now:
+            got += reader.poll()
+    got += deliver(sender, reader, status)
+    assert [f.step_id for f in got] == list(range(len(plan)))
+    for frame, step in zip(got, sent):
+        assert_frame_matches(frame, step)
+    reader.close()
+
+
+def test_a_frame_larger_than_the_ring_is_refused(open_channel):
+    ch, sender = open_channel("posix", ring_bytes=16_384)
+    with pytest.raises(OSError, match="larger than the ring"):
+        send(sender, make_step(0, 64, 4, 8, True, min_tokens=4))  # ~21 KB
+
+
+def test_a_restarted_sender_continues_the_frame_sequence(open_channel):
+    ch, sender = open_channel("posix")
+    reader = PollingReader(ch)
+    send(sender, make_step(0, 2, 1, 0, False)._replace(seq=np.zeros(2, np.int64)))
+    sender.close()  # the engine process goes away; a new one attaches
+    again = ops.OutputSender(ch.address, rank=0, vocab_size=VOCAB)
+    send(again, make_step(1, 2, 1, 0, False)._replace(seq=np.zeros(2, np.int64)))
+    assert len(reader.poll()) == 2
+    assert reader.stats.frames_lost == 0 and not reader.stats.rejected
+    reader.close()
