@@ -34,10 +34,10 @@ class Timed(NamedTuple):
 
 class ChoiceState:
     def __init__(self, index: int, engine_id: int, detokenizer: IncrementalDetokenizer,
-                 stops: list[str], top_width: int | None, metrics: ServerMetrics, arrival: float) -> None:
+                 stops: StopStringMatcher, top_width: int | None, metrics: ServerMetrics, arrival: float) -> None:
         """top_width: top-k entries per token to return; None when the request asked for no logprobs."""
         self.index, self.engine_id = index, engine_id
-        self._detok, self._stop = detokenizer, StopStringMatcher(stops)
+        self._detok, self._stop = detokenizer, stops
         self._top_width, self._metrics = top_width, metrics
         self.arrival = arrival  # time.monotonic() at HTTP arrival
         self.first_token_at: float | None = None

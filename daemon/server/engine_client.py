@@ -25,6 +25,7 @@ from mtpserve.server.errors import ApiError
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import OutputClosed, OutputSource
+from mtpserve.server.stop_strings import StopStringMatcher
 from mtpserve.server.tracker import RequestStream, Tracker
 
 
@@ -34,6 +35,8 @@ class GenerateRequest(NamedTuple):
     n: int
     stops: list[str]
     arrival: float  # time.monotonic() when the HTTP request arrived
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
 
 
 class EngineClient:
@@ -114,8 +117,8 @@ class EngineClient:
 
     def _make_choices(self, req: GenerateRequest) -> list[ChoiceState]:
         width = req.params.logprobs  # None: the request wants no logprobs
-        return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder), req.stops, width,
-                            self._metrics, req.arrival)
+        return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder, req.skip_special_tokens),
+                            StopStringMatcher(req.stops, req.include_stop_str), width, self._metrics, req.arrival)
                 for index in range(len(req.prompts) * req.n)]
 
     async def _control_loop(self) -> None:

@@ -12,7 +12,7 @@ from mtpserve.server.engine_client import GenerateRequest
 from mtpserve.server.generation import collect_response, stream_response
 from mtpserve.server.prompts import tokenize_chat
 from mtpserve.server.routes_completions import check_model
-from mtpserve.server.sampling import check_fields, stop_strings, to_sampling_params
+from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import ChatCompletionRequest, decode_body
 
 
@@ -26,7 +26,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt_ids = await tokenize_chat(req.messages, req.add_generation_prompt, ctx.text, limits)
     params = to_sampling_params(req, len(prompt_ids), limits)
     n = req.n or 1
-    stream = engine.submit(GenerateRequest([prompt_ids], params, n, stop_strings(req), arrival))
+    stream = engine.submit(GenerateRequest([prompt_ids], params, n, stop_strings(req), arrival,
+                                          **text_options(req)))
     fmt = ChatFormat(ctx.settings.model_name, ctx.token_texts, n)
     if req.stream:
         return await stream_response(request, engine, stream, fmt, req.stream_options)

@@ -12,7 +12,7 @@ from mtpserve.server.engine_client import GenerateRequest
 from mtpserve.server.errors import model_not_found
 from mtpserve.server.generation import collect_response, stream_response
 from mtpserve.server.prompts import tokenize_prompts
-from mtpserve.server.sampling import check_fields, stop_strings, to_sampling_params
+from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import CompletionRequest, decode_body
 
 
@@ -31,7 +31,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = await tokenize_prompts(req.prompt, ctx.text, limits)
     params = to_sampling_params(req, max(map(len, prompts.token_ids)), limits)
     n = req.n or 1
-    stream = engine.submit(GenerateRequest(prompts.token_ids, params, n, stop_strings(req), arrival))
+    stream = engine.submit(GenerateRequest(prompts.token_ids, params, n, stop_strings(req), arrival,
+                                          **text_options(req)))
     fmt = CompletionFormat(ctx.settings.model_name, ctx.token_texts, prompts.texts if req.echo else None, n)
     if req.stream:
         return await stream_response(request, engine, stream, fmt, req.stream_options)

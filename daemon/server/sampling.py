@@ -119,6 +119,12 @@ def stop_strings(req: SamplingFields) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
+def text_options(req: SamplingFields) -> dict:
+    """vLLM's detokenization extensions, as GenerateRequest keywords."""
+    return dict(skip_special_tokens=req.skip_special_tokens is not False,
+                include_stop_str=bool(req.include_stop_str_in_output))
+
+
 def check_prompt_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
     if not ids:
         raise bad_request("The prompt is empty.", param, "empty_prompt")

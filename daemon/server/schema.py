@@ -39,6 +39,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    skip_special_tokens: bool | None = None  # vLLM extension, default true
+    include_stop_str_in_output: bool | None = None  # vLLM extension, default false
     # Accepted so that a request using them is refused by name instead of silently served without
     # them (sampling.check_unsupported); unknown extra fields are ignored, as OpenAI does.
     best_of: int | None = None

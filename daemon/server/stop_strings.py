@@ -2,7 +2,8 @@
 
 `feed(text)` returns what may be shown now; once a stop string completes, `hit` holds where the
 match ends inside the fed text, and everything from the match on is withheld (OpenAI semantics:
-the stop string itself is not returned).
+the stop string itself is not returned, unless `include_stop` asks for it, as vLLM's
+`include_stop_str_in_output` does).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ class StopHit(NamedTuple):
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self.stops = stops
+        self._include = include_stop
         self._max_len = max((len(s) for s in stops), default=0)
         self._pending = ""
         self.hit: StopHit | None = None
@@ -32,7 +34,7 @@ class StopStringMatcher:
             start, stop = found
             self.hit = StopHit(start + len(stop) - len(self._pending), stop)
             self._pending = ""
-            return buf[:start]
+            return buf[:start + len(stop)] if self._include else buf[:start]
         held = self._held_suffix_len(buf)
         self._pending = buf[len(buf) - held:] if held else ""
         return buf[:len(buf) - held]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import os
 import signal
 import socket
 import subprocess

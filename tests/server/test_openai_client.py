@@ -181,3 +181,14 @@ async def test_continuous_usage_and_chat_n(client):
     running = [c.usage.completion_tokens for c in content if c.usage is not None]
     assert running == sorted(running) and running[-1] == 12
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+async def test_vllm_text_extensions(client, text_model):
+    eos = text_model.token_to_id("<|endoftext|>")
+    ids = text_model.encode("ab = 1\n") + [eos]
+    kept = await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=len(ids),
+                                           extra_body={"skip_special_tokens": False, "ignore_eos": True})
+    assert kept.choices[0].text.endswith("<|endoftext|>")
+    out = await client.completions.create(model=MODEL_NAME, prompt="first = 1\nsecond = 2\n", max_tokens=30,
+                                          stop=["second"], extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == "first = 1\nsecond" and out.choices[0].finish_reason == "stop"

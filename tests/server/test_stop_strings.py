@@ -48,3 +48,9 @@ def test_hit_end_is_relative_to_the_last_fed_text():
 def test_no_stops_passes_through():
     matcher = StopStringMatcher([])
     assert matcher.feed("abc") == "abc" and matcher.flush() == ""
+
+
+def test_include_stop_keeps_the_stop_string():
+    matcher = StopStringMatcher(["END"], include_stop=True)
+    assert matcher.feed("abc E") == "abc " and matcher.feed("ND more") == "END"
+    assert matcher.hit.stop == "END"
