@@ -3,14 +3,18 @@
 The launcher writes the validated configuration into the instance's runtime directory (0700) and
 starts this process with its path; the request channel's socket lives in the same directory.
 1. read the config, 2. load the tokenizer and chat template (no paddle), 3. build the app,
-4. serve on uvloop until SIGTERM, then drain in-flight requests for `server.drain_timeout` seconds.
+4. serve on uvloop until SIGTERM/SIGINT, 5. drain: keep listening, answer /health and new requests
+   with 503 (a load balancer stops routing here) while the streams in flight finish, for at most
+   `server.drain_timeout` seconds, 6. close (whatever is left is cancelled, which aborts it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -19,7 +23,7 @@ from aiohttp import web
 
 from mtpserve.config import Config
 from mtpserve.server.app import OpenOutput, make_app
-from mtpserve.server.context import HttpSettings
+from mtpserve.server.context import CONTEXT, HttpSettings
 from mtpserve.server.text_model import TextModel
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "default_model"
@@ -38,14 +42,33 @@ def settings_from(config: Config) -> HttpSettings:
 
 
 def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:
-    """Serve until SIGTERM/SIGINT (aiohttp's GracefulExit), then drain and return 0."""
+    """Serve until SIGTERM/SIGINT, drain, return 0."""
     _configure_logging(config)
     app = make_app(settings_from(config), TextModel.from_dir(model_dir(config)), runtime_dir, open_output)
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    web.run_app(app, host=config.server.host, port=config.server.port, print=None,
-                shutdown_timeout=config.server.drain_timeout, handler_cancellation=True,
-                access_log=None)
+    uvloop.run(serve(app, config.server.host, config.server.port, config.server.drain_timeout))
     return 0
+
+
+async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await drain(app, drain_timeout)
+    await runner.cleanup()
+
+
+async def drain(app: web.Application, timeout_s: float) -> None:
+    """Refuse new work (503) and wait until no request is in flight, at most timeout_s."""
+    ctx = app[CONTEXT]
+    ctx.health.draining()
+    deadline = time.monotonic() + timeout_s
+    while ctx.engine is not None and ctx.engine.tracker.num_active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def _configure_logging(config: Config) -> None:

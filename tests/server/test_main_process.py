@@ -1,5 +1,6 @@
 """The HTTP process as the launcher starts it (`python -m mtpserve.server.main <runtime>/config.json`),
-against the fake engine: it serves, and on SIGTERM it drains the stream in flight, then exits 0."""
+against the fake engine: it serves; on SIGTERM it answers 503 to /health and to new requests while
+the stream in flight finishes, then exits 0."""
 
 import asyncio
 import dataclasses
@@ -42,6 +43,12 @@ async def test_serves_then_drains_on_sigterm(tmp_path, model_dir, text_model):
                 first = await resp.content.readline()
                 assert first.startswith(b"data: {")
                 http.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                async with session.get(base_url + "/health") as health:
+                    assert health.status == 503 and (await health.json())["reason"] == "draining"
+                late = {**body, "stream": False}
+                async with session.post(base_url + "/v1/completions", json=late) as refused:
+                    assert refused.status == 503
                 rest = await resp.content.read()
         events = [line for line in (first + rest).split(b"\n\n") if line]
         assert events[-1] == b"data: [DONE]"
