@@ -20,6 +20,7 @@ from mtpserve.ipc.wire_decode import FrameHeader, WireError, decode_header, deco
 
 _SEQ_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)
 _IN_RING = int(wire.Flag.IN_RING)
+_FLAGS_AT = wire.HEADER_DTYPE.fields["flags"][1]
 
 
 @dataclass
@@ -46,9 +47,20 @@ class FrameAssembler:
         self._chunk_head: FrameHeader | None = None
         self._chunks: list[bytes] = []
 
-    def feed(self, message: bytes) -> Frame | None:
-        """A complete frame, or None (more chunks to come, or the message was rejected)."""
+    def feed(self, message: bytes) -> list[Frame]:
+        """The frames one queue message completes: it holds one inline frame, one chunk, or a run
+        of ring descriptors (64-byte headers). Rejected parts are counted, never raised."""
         self.stats.messages += 1
+        if len(message) > wire.HEADER_SIZE and message[_FLAGS_AT] & _IN_RING:
+            if len(message) % wire.HEADER_SIZE:
+                self.stats.rejected["truncated"] += 1
+                return []
+            parts = (message[i:i + wire.HEADER_SIZE] for i in range(0, len(message), wire.HEADER_SIZE))
+            return [f for f in map(self._feed_one, parts) if f is not None]
+        frame = self._feed_one(message)
+        return [] if frame is None else [frame]
+
+    def _feed_one(self, message: bytes) -> Frame | None:
         try:
             return self._feed(message)
         except WireError as e:

@@ -75,7 +75,8 @@ class OutputReader:
         if frame is None:
             self._frames.put_nowait(None)  # every later get() raises too
             raise EngineDead(self.dead_reason or "output channel closed")
-        self._slots.release()
+        if self._thread is not None:
+            self._slots.release()
         if self._paused:
             self._resume_posix()
         return frame
@@ -109,7 +110,8 @@ class OutputReader:
                 message, _ = self._mq.receive()
             except posix_ipc.BusyError:
                 return
-            self._deliver(self._assembler.feed(message))
+            for frame in self._assembler.feed(message):
+                self._frames.put_nowait(frame)
 
     def _resume_posix(self) -> None:
         if self._mq is None or self._frames.qsize() >= self._max_buffered:
@@ -136,8 +138,7 @@ class OutputReader:
                 return
             if mtype == _STOP_MTYPE and self._closing:
                 return
-            frame = self._assembler.feed(body)
-            if frame is not None:
+            for frame in self._assembler.feed(body):
                 self._slots.acquire()  # waits while max_buffered frames are unread
                 if self._closing:
                     return
@@ -153,11 +154,6 @@ class OutputReader:
         self._thread = None
 
     # both ----------------------------------------------------------------------------------
-    def _deliver(self, frame: Frame | None) -> None:
-        if frame is not None:
-            self._slots.acquire(blocking=False)  # keeps the count shared with get() balanced
-            self._frames.put_nowait(frame)
-
     def _check_alive(self) -> None:
         if self.dead_reason is not None or self._closing:
             return

@@ -38,9 +38,7 @@ class PollingReader:
         """Every frame completed by the messages queued now (possibly none)."""
         frames = []
         while (message := self._receive()) is not None:
-            frame = self.assembler.feed(message)
-            if frame is not None:
-                frames.append(frame)
+            frames += self.assembler.feed(message)
         return frames
 
     def close(self) -> None:

@@ -16,8 +16,9 @@ A CONTROL frame's payload is `code i32 · reserved u32 · UTF-8 message`.
 
 Transport (see ipc/output_channel.py): one queue message = a header + its bytes. A frame whose payload
 fits one message travels inline; a larger one either lives in the shared-memory ring (FLAG_IN_RING,
-`ring_pos` says where; the message is only the header: a descriptor) or is split into chunks
-(`chunk_index`/`chunk_count`, one header copy per chunk).
+`ring_pos` says where; the message is only the header: a descriptor, and one message may carry a run
+of up to max_msg_bytes / 64 descriptors) or is split into chunks (`chunk_index`/`chunk_count`, one
+header copy per chunk).
 
 C++ mirrors this file through the generated header (python -m mtpserve.ipc.wire_cgen); a test fails
 when the checked-in header differs from what this module generates.

@@ -137,12 +137,45 @@ ChannelStatus OutputChannel::Flush() {
 }
 
 ChannelStatus OutputChannel::FlushLocked() {
-  while (!pending_.empty() && Advance(&pending_.front(), pending_.front().payload.data())) {
+  while (!pending_.empty()) {
+    Pending& front = pending_.front();
+    if (front.in_ring) {
+      if (!SendDescriptorRun()) break;
+      continue;
+    }
+    if (!Advance(&front, front.payload.data())) break;
+    PopSent(1);
+  }
+  return StatusLocked();
+}
+
+// NOTE: under back-pressure the queue, not the ring, is the scarce part (a POSIX queue holds 10
+// messages), so the headers of consecutive ring frames share one message (up to 128 of them).
+bool OutputChannel::SendDescriptorRun() {
+  const size_t max_run = address_.max_msg_bytes / mtp_wire::kHeaderSize;
+  size_t run = 0;
+  for (; run < pending_.size() && run < max_run; ++run) {
+    Pending& p = pending_[run];
+    if (!p.in_ring || (!p.placed && !PlaceInRing(&p, p.payload.data()))) break;
+  }
+  if (run == 0) return false;
+  descriptors_.resize(run * mtp_wire::kHeaderSize);
+  for (size_t i = 0; i < run; ++i) {
+    FrameHeader h = pending_[i].header;
+    SealHeader(&h);
+    std::memcpy(descriptors_.data() + i * mtp_wire::kHeaderSize, &h, mtp_wire::kHeaderSize);
+  }
+  if (!SendBytes(descriptors_.data(), descriptors_.size())) return false;
+  PopSent(run);
+  return true;
+}
+
+void OutputChannel::PopSent(size_t count) {
+  for (size_t i = 0; i < count; ++i) {
     pending_bytes_ -= pending_.front().header.payload_len;
     pending_.pop_front();
     ++frames_sent_;
   }
-  return StatusLocked();
 }
 
 bool OutputChannel::Advance(Pending* p, const uint8_t* payload) {
@@ -180,16 +213,23 @@ bool OutputChannel::PlaceInRing(Pending* p, const uint8_t* payload) {
 
 bool OutputChannel::SendMessage(FrameHeader header, const uint8_t* body, size_t size) {
   SealHeader(&header);
-  const size_t text = mtp_wire::kHeaderSize + size;
-  message_.resize(sizeof(long) + text);
-  const long mtype = 1;
-  std::memcpy(message_.data(), &mtype, sizeof(long));
-  std::memcpy(message_.data() + sizeof(long), &header, mtp_wire::kHeaderSize);
-  if (size) std::memcpy(message_.data() + sizeof(long) + mtp_wire::kHeaderSize, body, size);
+  message_.resize(mtp_wire::kHeaderSize + size);
+  std::memcpy(message_.data(), &header, mtp_wire::kHeaderSize);
+  if (size) std::memcpy(message_.data() + mtp_wire::kHeaderSize, body, size);
+  return SendBytes(message_.data(), message_.size());
+}
+
+bool OutputChannel::SendBytes(const uint8_t* data, size_t size) {
+  const bool sysv = address_.transport == mtp_wire::kTransportSysv;
+  if (sysv) {  // SysV messages start with a long mtype
+    sysv_buf_.resize(sizeof(long) + size);
+    const long mtype = 1;
+    std::memcpy(sysv_buf_.data(), &mtype, sizeof(long));
+    std::memcpy(sysv_buf_.data() + sizeof(long), data, size);
+  }
   for (;;) {
-    const int rc = address_.transport == mtp_wire::kTransportSysv
-                       ? msgsnd(sysv_id_, message_.data(), text, IPC_NOWAIT)
-                       : mq_send(mq_, reinterpret_cast<const char*>(message_.data()) + sizeof(long), text, 0);
+    const int rc = sysv ? msgsnd(sysv_id_, sysv_buf_.data(), size, IPC_NOWAIT)
+                        : mq_send(mq_, reinterpret_cast<const char*>(data), size, 0);
     if (rc == 0) return true;
     if (errno == EAGAIN) return false;
     if (errno == EINTR) continue;

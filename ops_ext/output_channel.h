@@ -69,7 +69,10 @@ class OutputChannel {
   ChannelStatus FlushLocked();
   bool Advance(Pending* p, const uint8_t* payload);
   bool PlaceInRing(Pending* p, const uint8_t* payload);
+  bool SendDescriptorRun();
+  void PopSent(size_t count);
   bool SendMessage(mtp_wire::FrameHeader header, const uint8_t* body, size_t size);
+  bool SendBytes(const uint8_t* data, size_t size);  // false when the queue is full
   ChannelStatus StatusLocked() const;
 
   ChannelAddress address_;
@@ -82,7 +85,9 @@ class OutputChannel {
   int64_t pending_bytes_ = 0;
   int64_t frames_sent_ = 0;
   int64_t frames_deferred_ = 0;
-  std::vector<uint8_t> message_;  // mtype + header + body, reused
+  std::vector<uint8_t> message_;      // header + body, reused
+  std::vector<uint8_t> descriptors_;  // a run of ring-frame headers, reused
+  std::vector<uint8_t> sysv_buf_;     // mtype + message, reused
   std::mutex mu_;
 };
 

@@ -26,8 +26,8 @@ def frame(seq: int, seed: int = 0) -> tuple[bytes, object]:
 @given(st.binary(max_size=2000))
 def test_random_messages_are_rejected_and_counted(data):
     asm = FrameAssembler(TAG)
-    assert asm.feed(data) is None
-    assert sum(asm.stats.rejected.values()) == 1
+    assert asm.feed(data) == []
+    assert sum(asm.stats.rejected.values()) >= 1  # a run of 64-byte "descriptors" counts each
 
 
 @settings(max_examples=200, deadline=None)
@@ -36,9 +36,9 @@ def test_truncated_frames_are_rejected_and_the_next_one_decodes(data):
     good, step = frame(0)
     cut = data.draw(st.integers(0, len(good) - 1))
     asm = FrameAssembler(TAG)
-    assert asm.feed(good[:cut]) is None
+    assert asm.feed(good[:cut]) == []
     assert sum(asm.stats.rejected.values()) == 1
-    assert_frame_matches(asm.feed(frame(1)[0]), frame(1)[1])
+    assert_frame_matches(asm.feed(frame(1)[0])[0], frame(1)[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,21 +49,21 @@ def test_every_single_bit_flip_is_caught(data):
     bad = bytearray(good)
     bad[bit // 8] ^= 1 << (bit % 8)
     asm = FrameAssembler(TAG)
-    assert asm.feed(bytes(bad)) is None
-    assert sum(asm.stats.rejected.values()) == 1
+    assert asm.feed(bytes(bad)) == []
+    assert sum(asm.stats.rejected.values()) >= 1
 
 
 def test_repeated_and_backward_frames_are_rejected_gaps_counted():
     asm = FrameAssembler(TAG)
-    assert asm.feed(frame(5)[0]) is not None
-    assert asm.feed(frame(5)[0]) is None and asm.stats.rejected["order"] == 1
-    assert asm.feed(frame(4)[0]) is None and asm.stats.rejected["order"] == 2
-    assert asm.feed(frame(8)[0]) is not None and asm.stats.frames_lost == 2
+    assert len(asm.feed(frame(5)[0])) == 1
+    assert asm.feed(frame(5)[0]) == [] and asm.stats.rejected["order"] == 1
+    assert asm.feed(frame(4)[0]) == [] and asm.stats.rejected["order"] == 2
+    assert len(asm.feed(frame(8)[0])) == 1 and asm.stats.frames_lost == 2
 
 
 def test_frames_of_another_instance_are_rejected():
     asm = FrameAssembler(TAG + 1)
-    assert asm.feed(frame(0)[0]) is None and asm.stats.rejected["instance"] == 1
+    assert asm.feed(frame(0)[0]) == [] and asm.stats.rejected["instance"] == 1
 
 
 def test_chunks_out_of_order_are_rejected_then_a_whole_frame_passes():
@@ -77,6 +77,6 @@ def test_chunks_out_of_order_are_rejected_then_a_whole_frame_passes():
     chunk = [encode_header(**(h | {"chunk_index": i, "chunk_count": 2})) + part
              for i, part in enumerate((body[:half], body[half:]))]
     asm = FrameAssembler(TAG)
-    assert asm.feed(chunk[1]) is None and asm.stats.rejected["chunk"] == 1
-    assert asm.feed(chunk[0]) is None
-    assert_frame_matches(asm.feed(chunk[1]), step)
+    assert asm.feed(chunk[1]) == [] and asm.stats.rejected["chunk"] == 1
+    assert asm.feed(chunk[0]) == []
+    assert_frame_matches(asm.feed(chunk[1])[0], step)

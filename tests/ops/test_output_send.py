@@ -261,3 +261,19 @@ def test_a_restarted_sender_continues_the_frame_sequence(open_channel):
     assert len(reader.poll()) == 2
     assert reader.stats.frames_lost == 0 and not reader.stats.rejected
     reader.close()
+
+
+def test_under_back_pressure_ring_frames_share_descriptor_messages(open_channel):
+    """A POSIX queue holds 10 messages; the ring holds more frames, whose headers then travel
+    together (up to 128 per message), so the queue stops being the bottleneck."""
+    ch, sender = open_channel("posix", ring_bytes=4 << 20)
+    reader = PollingReader(ch)
+    sent = list(advancing_steps(30, 64, 4, 8))  # ~21 KB each
+    statuses = [send(sender, step, i) for i, step in enumerate(sent)]
+    assert statuses[-1].frames_pending == 20
+    frames = deliver(sender, reader, statuses[-1])
+    assert [f.step_id for f in frames] == list(range(30))
+    assert reader.stats.messages == 11  # 10 single descriptors, then one run of 20
+    for frame, step in zip(frames, sent):
+        assert_frame_matches(frame, step)
+    reader.close()
