@@ -123,14 +123,12 @@ class Request:
     def _reset_progress(self) -> None:
         self.prefill_ids = np.concatenate(
             [self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])  # [P + O]
+        # NOTE: a plain int, read for every running request at every step.
+        self.num_prefill_tokens = int(self.prefill_ids.shape[0])
         self.num_prefill_scheduled = 0
         self.num_kv_tokens = 0
         self.num_inflight_tokens = 0
         self.num_inflight_steps = 0
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return int(self.prefill_ids.shape[0])
 
     @property
     def num_tokens(self) -> int:

@@ -60,24 +60,37 @@ class SyntheticRunner:
         self.state = SlotState(config.max_num_seqs, config.num_speculative_tokens, config.num_blocks,
                                config.block_size)
         self.kv = np.zeros(config.num_blocks * config.block_size, np.uint64)  # one value per slot
+        self._free_at = 0.0  # device timeline: when the last step ended
+        self._busy = 0.0
         self._stream = DeviceStream("synthetic-device")
 
     def launch(self, plan: StepPlan):
-        return self._stream.submit(self._execute, plan)
+        return self._stream.submit(self._execute, plan, time.perf_counter())
 
     def busy_seconds(self) -> float:
-        return self._stream.busy_seconds()
+        """Device time spent in steps, on the device's own timeline (see `_execute`)."""
+        return self._busy
 
     def close(self) -> None:
         self._stream.close()
 
     # ---- device side ----------------------------------------------------------------------------
 
-    def _execute(self, plan: StepPlan) -> StepResult:
-        begin = time.perf_counter()
+    def _execute(self, plan: StepPlan, launched_at: float) -> StepResult:
+        """Run a step on a device timeline, as a stream runs kernels back to back.
+
+        NOTE: the step starts when it was launched or when the previous one ended, whichever is
+        later, and ends `step_time` after that (or when its own bookkeeping is done, if longer).
+        A late wake-up of this thread (it needs the GIL back after sleeping) delays delivering the
+        result to the host, as a late event query would, but not the next queued step. Sleeping
+        releases the GIL, as a real kernel would, so the host can plan meanwhile.
+        """
+        start = max(launched_at, self._free_at)
         result = self._step(plan)
-        # NOTE: sleeping releases the GIL, as a real kernel would, so the host can plan meanwhile.
-        time.sleep(max(0.0, self.config.step_time_s - (time.perf_counter() - begin)))
+        end = max(start + self.config.step_time_s, time.perf_counter())
+        time.sleep(max(0.0, end - time.perf_counter()))
+        self._busy += end - start
+        self._free_at = end
         return result
 
     def _step(self, plan: StepPlan) -> StepResult:
