@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import start_fake_engine  # noqa: E402
+from server_harness import start_fake_engine  # noqa: E402
 from mtpserve.config import Config  # noqa: E402
 from mtpserve.tokenizer import Tokenizer  # noqa: E402
 

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import MODEL_NAME
+from server_harness import MODEL_NAME
 
 ODD_NUMBERS = st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.floats(allow_nan=False),
                         st.sampled_from([0, -1, 1, 2**63, 2**64, 1e308, -0.0, 0.5]))

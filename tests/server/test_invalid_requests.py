@@ -6,7 +6,7 @@ import json
 import aiohttp
 import pytest
 
-from conftest import MODEL_NAME
+from server_harness import MODEL_NAME
 
 GOOD = {"model": MODEL_NAME, "prompt": "def f():", "max_tokens": 4}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

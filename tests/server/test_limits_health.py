@@ -4,8 +4,7 @@ the stream started (SSE error event then [DONE])."""
 import aiohttp
 import pytest
 
-from conftest import start_fake_engine, wait_healthy
-from test_streams import LONG, read_events
+from server_harness import LONG, read_events, start_fake_engine, wait_healthy
 
 
 @pytest.fixture
@@ -39,7 +38,7 @@ async def test_limit_429_and_api_key(fake_server):
 
 async def test_engine_death_mid_stream_is_sse_error_then_done(tmp_path, text_model, settings):
     from aiohttp.test_utils import TestServer
-    from conftest import open_fake_output
+    from server_harness import open_fake_output
     from mtpserve.server.app import make_app
     proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size, "--step-ms", "20")
     server = TestServer(make_app(settings, text_model, tmp_path / "rt", open_fake_output), handler_cancellation=True)
@@ -68,7 +67,7 @@ async def test_engine_death_mid_stream_is_sse_error_then_done(tmp_path, text_mod
 
 async def test_health_503_while_starting(tmp_path, text_model, settings):
     from aiohttp.test_utils import TestServer
-    from conftest import open_fake_output
+    from server_harness import open_fake_output
     from mtpserve.server.app import make_app
     (tmp_path / "rt").mkdir(mode=0o700)
     server = TestServer(make_app(settings, text_model, tmp_path / "rt", open_fake_output))
@@ -100,7 +99,7 @@ async def test_health_follows_engine_progress(tmp_path, text_model, settings):
     import time
 
     from aiohttp.test_utils import TestServer
-    from conftest import open_fake_output
+    from server_harness import open_fake_output
     from mtpserve.server.app import make_app
     fast = dataclasses.replace(settings, heartbeat_timeout=0.5)
     proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size)

@@ -13,7 +13,7 @@ import sys
 import aiohttp
 import msgspec
 
-from conftest import MODEL_NAME, start_fake_engine, wait_healthy
+from server_harness import MODEL_NAME, start_fake_engine, wait_healthy
 from mtpserve.config import Config
 
 

@@ -3,7 +3,7 @@
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import MODEL_NAME
+from server_harness import MODEL_NAME
 
 
 @pytest.fixture(params=["posix", "sysv"])

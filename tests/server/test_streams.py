@@ -2,45 +2,12 @@
 started, and the metrics that show the engine returning to idle."""
 
 import asyncio
-import json
-import re
 import time
 
 import aiohttp
 import pytest
 
-from conftest import MODEL_NAME
-
-LONG = {"model": MODEL_NAME, "prompt": "x = [i * i for i in range(10)]\n", "max_tokens": 400, "stream": True,
-        "stream_options": {"include_usage": True}, "logprobs": 1}
-
-
-def gauge(text: str, name: str) -> float:
-    match = re.search(rf'^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$', text, re.M)
-    assert match, name
-    return float(match.group(1))
-
-
-async def metrics(session, base_url) -> str:
-    async with session.get(base_url + "/metrics") as resp:
-        return await resp.text()
-
-
-async def read_events(resp, until_tokens: int | None = None):
-    """SSE events as dicts (b"[DONE]" as None); stop early once `until_tokens` tokens were seen."""
-    events, tokens, buf = [], 0, b""
-    async for line in resp.content:
-        if not line.strip():
-            continue
-        payload = line.removeprefix(b"data: ").strip()
-        event = None if payload == b"[DONE]" else json.loads(payload)
-        events.append(event)
-        for choice in (event or {}).get("choices", []):
-            tokens += len((choice.get("logprobs") or {}).get("tokens", []))
-        if until_tokens is not None and tokens >= until_tokens:
-            break
-    return events, tokens
-
+from server_harness import LONG, MODEL_NAME, gauge, metrics, read_events
 
 @pytest.fixture
 def engine_args():
