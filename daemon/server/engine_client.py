@@ -110,6 +110,9 @@ class EngineClient:
         if problem is not None:
             self._metrics.reject(503)
             raise ApiError(503, f"The server is not accepting requests ({problem}).", code="unavailable")
+        if num_choices > self._max_active:  # NOTE: would never fit, so retrying (429) cannot help
+            raise ApiError(400, f"The request asks for {num_choices} completions (prompts x n); the limit is "
+                           f"{self._max_active}.", param="n", code="too_many_completions")
         if self.tracker.num_active + num_choices > self._max_active:
             self._metrics.reject(429)
             raise ApiError(429, f"Too many requests in flight (limit {self._max_active}); retry later.",

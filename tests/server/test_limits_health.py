@@ -27,6 +27,8 @@ async def test_limit_429_and_api_key(fake_server):
         body = {**LONG, "n": 3}
         async with session.post(base_url + "/v1/completions", json=body, headers=auth) as r:
             assert r.status == 429 and (await r.json())["error"]["type"] == "rate_limit_error"
+        async with session.post(base_url + "/v1/completions", json={**body, "n": 5}, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "too_many_completions"
         body["n"] = 2
         async with session.post(base_url + "/v1/completions", json={**body, "max_tokens": 3}, headers=auth) as r:
             assert r.status == 200
