@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvloop
 
+from mtpserve.lifecycle import die_with_parent
 from mtpserve.ipc.request_channel import (
     AbortRequest, AddRequest, EngineReady, EngineStats, RequestChannelServer, SamplingParams,
 )
@@ -149,6 +150,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    die_with_parent()  # NOTE: a killed test run leaves no fake engine behind
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runtime_dir", type=Path)
     parser.add_argument("instance", help="output channel instance name (created by the test)")
