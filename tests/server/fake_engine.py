@@ -21,10 +21,10 @@ from pathlib import Path
 
 import uvloop
 
-from mtpserve.lifecycle import die_with_parent
 from mtpserve.ipc.request_channel import (
     AbortRequest, AddRequest, EngineReady, EngineStats, RequestChannelServer, SamplingParams,
 )
+from mtpserve.lifecycle import die_with_parent
 from fake_frames import FrameSink, OutputRow
 
 BLOCK_SIZE = 16
