@@ -54,21 +54,21 @@ class StepOutput:
         return cu
 
     def requests(self) -> list[RequestOutput]:
-        """Split per request. NOTE: one tolist() per array, then list slices: no per-token loop."""
+        """Split per request. NOTE: one tolist() per array, then list slices: no per-token loop;
+        tuple.__new__ skips NamedTuple's Python-level __new__ (a third of the cost at B = 128)."""
         cu = self.cu_tokens().tolist()
-        spans = list(zip(cu[:-1], cu[1:]))
+        heads = zip(self.req_ids.tolist(), self.seq.tolist(), self.finish.tolist(), cu[:-1], cu[1:])
         tokens = self.token_ids.tolist()
-        heads = zip(self.req_ids.tolist(), self.seq.tolist(), self.finish.tolist(), spans)
+        drafts = self.draft_ids.tolist() if self.draft_ids is not None else [None] * len(cu)
+        new = tuple.__new__
         if self.logprob is None:
-            drafts = self.draft_ids.tolist() if self.draft_ids is not None else [None] * len(spans)
-            return [RequestOutput(rid, seq, fin, tokens[a:b], None, None, None, None, d)
-                    for (rid, seq, fin, (a, b)), d in zip(heads, drafts)]
+            return [new(RequestOutput, (rid, seq, fin, tokens[a:b], None, None, None, None, d))
+                    for (rid, seq, fin, a, b), d in zip(heads, drafts)]
         lp, rank = self.logprob.tolist(), self.rank.tolist()
         top_ids, top_lp = self.topk_ids.tolist(), self.topk_logprobs.tolist()
-        drafts = self.draft_ids.tolist() if self.draft_ids is not None else [None] * len(spans)
-        return [RequestOutput(rid, seq, fin, tokens[a:b], lp[a:b], rank[a:b], top_ids[a:b],
-                              top_lp[a:b], d)
-                for (rid, seq, fin, (a, b)), d in zip(heads, drafts)]
+        return [new(RequestOutput, (rid, seq, fin, tokens[a:b], lp[a:b], rank[a:b], top_ids[a:b],
+                                    top_lp[a:b], d))
+                for (rid, seq, fin, a, b), d in zip(heads, drafts)]
 
 
 @dataclass(frozen=True, slots=True)

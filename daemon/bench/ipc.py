@@ -28,6 +28,7 @@ import numpy as np
 FASTDEPLOY_SPEC_LOGPROB_BYTES = 530_448
 GOAL_US = 200.0  # at batch 128, 4 tokens, top-5
 VOCAB = 151_936
+BACKOFF_S = 50e-6  # pipelined sender's pause while frames are pending
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Result:
     topk: int
     us_per_step: float  # mean (serial) or wall time / steps (pipelined)
     us_median: float  # median of per-step times (serial; robust to a loaded host); pipelined: = mean
+    cpu_us: float  # CPU time per step, all processes and threads (does not count waiting for a CPU)
     frames_per_s: float
     bytes_per_step: int
     messages_per_step: float
@@ -106,12 +108,14 @@ def run_serial(cell: Cell, steps: int, warmup: int, ring_bytes: int) -> Result:
             _serial_step(sender, reader, tensors, seqs[i], i, SendStatus)
         before = (reader.stats.messages, reader.stats.payload_bytes, reader.stats.frames)
         times = np.empty(steps)
+        cpu_start = time.process_time()
         for i in range(warmup, warmup + steps):
             start = time.perf_counter()
             _serial_step(sender, reader, tensors, seqs[i], i, SendStatus)
             times[i - warmup] = time.perf_counter() - start
+        cpu_us = (time.process_time() - cpu_start) / steps * 1e6
         _check_clean(reader.stats, warmup + steps)
-        return _result(cell, times, reader.stats, before)
+        return _result(cell, times, cpu_us, reader.stats, before)
     finally:
         reader.close()
         sender.close()
@@ -139,11 +143,12 @@ def _per_frame(stats, before: tuple) -> tuple[float, float]:
     return (stats.payload_bytes - before[1]) / frames + 64 * messages, messages
 
 
-def _result(cell: Cell, times: np.ndarray, stats, before: tuple) -> Result:
+def _result(cell: Cell, times: np.ndarray, cpu_us: float, stats, before: tuple) -> Result:
     wire_bytes, messages = _per_frame(stats, before)
     us = float(times.mean()) * 1e6
     return Result(cell.mode, cell.batch, cell.tokens, cell.topk, round(us, 1),
-                  round(float(np.median(times)) * 1e6, 1), round(1e6 / us), int(wire_bytes),
+                  round(float(np.median(times)) * 1e6, 1), round(cpu_us, 1), round(1e6 / us),
+                  int(wire_bytes),
                   round(messages, 2), round(wire_bytes / FASTDEPLOY_SPEC_LOGPROB_BYTES, 4))
 
 
@@ -160,10 +165,13 @@ def run_pipelined(cell: Cell, steps: int, warmup: int, ring_bytes: int) -> Resul
         tensors = _step_tensors(cell.batch, cell.tokens, cell.topk)
         seqs = _seq_tensors(cell.batch, cell.tokens, warmup + steps)
         for i in range(warmup + steps):
+            if i == warmup:
+                cpu_start = time.process_time()
             status = SendStatus.of(_send(sender, tensors, seqs[i], i))
-            while status.frames_pending:  # back-pressure: the engine would pause scheduling here
-                time.sleep(0)
+            while status.frames_pending:  # back-pressure: the engine pauses scheduling here
+                time.sleep(BACKOFF_S)  # NOTE: a real sleep: spinning would starve the reader's CPU
                 status = SendStatus.of(sender.flush())
+        sender_cpu = time.process_time() - cpu_start
         report = json.loads(child.stdout.readline())
         child.wait(30)
     finally:
@@ -172,8 +180,9 @@ def run_pipelined(cell: Cell, steps: int, warmup: int, ring_bytes: int) -> Resul
         sender.close()
         ch.remove()
     us = report["elapsed"] / steps * 1e6
+    cpu_us = (sender_cpu + report["cpu"]) / steps * 1e6
     return Result(cell.mode, cell.batch, cell.tokens, cell.topk, round(us, 1), round(us, 1),
-                  round(1e6 / us),
+                  round(cpu_us, 1), round(1e6 / us),
                   int(report["bytes_per_frame"]), report["messages_per_frame"],
                   round(report["bytes_per_frame"] / FASTDEPLOY_SPEC_LOGPROB_BYTES, 4))
 
@@ -186,11 +195,11 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
 
 def _print(results: list[Result], title: str) -> None:
     print(f"\n{title}  (FastDeploy fixed message: {FASTDEPLOY_SPEC_LOGPROB_BYTES:,} B)")
-    print(f"{'mode':<14}{'batch':>6}{'tok':>4}{'topk':>5}{'us/step':>10}{'median':>9}{'frames/s':>10}"
-          f"{'bytes/step':>12}{'msgs':>6}{'vs FD':>8}")
+    print(f"{'mode':<14}{'batch':>6}{'tok':>4}{'topk':>5}{'us/step':>10}{'median':>9}{'cpu us':>8}"
+          f"{'frames/s':>10}{'bytes/step':>12}{'msgs':>6}{'vs FD':>8}")
     for r in results:
         print(f"{r.mode:<14}{r.batch:>6}{r.tokens:>4}{r.topk:>5}{r.us_per_step:>10.1f}"
-              f"{r.us_median:>9.1f}{r.frames_per_s:>10,}{r.bytes_per_step:>12,}"
+              f"{r.us_median:>9.1f}{r.cpu_us:>8.1f}{r.frames_per_s:>10,}{r.bytes_per_step:>12,}"
               f"{r.messages_per_step:>6}{r.vs_fastdeploy:>8.3f}", flush=True)
 
 
@@ -249,17 +258,18 @@ async def _reader_child(instance: str, total: int, warmup: int) -> dict:
     print("ready", flush=True)
     for _ in range(warmup):
         await reader.get()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(total - warmup):
         await reader.get()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     stats = reader.stats
     # NOTE: over the whole run: the SysV thread decodes ahead of get(), so a mid-run snapshot lies.
     wire_bytes, messages = _per_frame(stats, (0, 0, 0))
     await reader.close()
     channel.close()
     _check_clean(stats, total)
-    return {"elapsed": elapsed, "messages_per_frame": round(messages, 2), "bytes_per_frame": wire_bytes}
+    return {"elapsed": elapsed, "cpu": cpu, "messages_per_frame": round(messages, 2),
+            "bytes_per_frame": wire_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
