@@ -29,16 +29,15 @@ from fake_frames import FrameSink, OutputRow
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
-VOCAB_SIZE = [1200]  # set from --vocab-size at start
 
 
 def fake_logprob(token_id: int) -> float:
     return -0.05 * (1 + token_id % 11)
 
 
-def fake_top(token_id: int, width: int) -> tuple[list[int], list[float]]:
+def fake_top(token_id: int, width: int, vocab_size: int) -> tuple[list[int], list[float]]:
     """Sampled token first, then its successors with strictly lower logprobs."""
-    ids = [(token_id + j) % VOCAB_SIZE[0] for j in range(width)]
+    ids = [(token_id + j) % vocab_size for j in range(width)]
     return ids, [fake_logprob(token_id) - 0.5 * j for j in range(width)]
 
 
@@ -134,9 +133,8 @@ class FakeEngine:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    VOCAB_SIZE[0] = args.vocab_size
     server = await RequestChannelServer.start(args.runtime_dir)
-    sink = FrameSink(args.instance)
+    sink = FrameSink(args.instance, args.vocab_size)
     engine = FakeEngine(server, sink, args)
     server.set_ready(EngineReady(model_name="fake", max_model_len=args.max_model_len, vocab_size=args.vocab_size,
                                  eos_token_ids=[args.eos_id], num_speculative_tokens=args.k,

@@ -31,8 +31,9 @@ class OutputRow(NamedTuple):
 
 
 class FrameSink:
-    def __init__(self, instance: str) -> None:
+    def __init__(self, instance: str, vocab_size: int) -> None:
         self.channel = OutputChannel.attach(instance)
+        self.vocab_size = vocab_size
         self.instance = instance
         address = self.channel.address
         self._is_posix = address.transport is wire.Transport.POSIX
@@ -64,7 +65,8 @@ class FrameSink:
             wire.Kind.TARGET, req_ids=[r.request_id for r in rows], seq=[r.seq for r in rows],
             num_tokens=[len(r.token_ids) for r in rows], finish=[FINISH_CODES[r.finish_reason] for r in rows],
             token_ids=tokens, step_id=step_id, frame_seq=self._frame_seq,
-            instance_tag=self.channel.address.instance_tag, **(_logprob_arrays(rows, top_width) if with_lp else {}))
+            instance_tag=self.channel.address.instance_tag,
+            **(_logprob_arrays(rows, top_width, self.vocab_size) if with_lp else {}))
         self._frame_seq += 1
         return frame
 
@@ -87,11 +89,11 @@ class FrameSink:
         self.channel.close()
 
 
-def _logprob_arrays(rows: list[OutputRow], top_width: int) -> dict:
+def _logprob_arrays(rows: list[OutputRow], top_width: int, vocab_size: int) -> dict:
     from fake_engine import fake_logprob, fake_top  # every row gets entries once any row asked
 
     tokens = [t for r in rows for t in r.token_ids]
-    tops = [fake_top(t, top_width) for t in tokens]
+    tops = [fake_top(t, top_width, vocab_size) for t in tokens]
     return dict(logprob=np.array([fake_logprob(t) for t in tokens], np.float32),
                 rank=np.ones(len(tokens), np.int32),
                 topk_ids=np.array([t[0] for t in tops], np.int32).reshape(len(tokens), top_width),
