@@ -24,18 +24,44 @@ class SeqTracker:
     def __init__(self) -> None:
         self._ids = np.empty(0, np.int64)  # sorted request ids
         self._next = np.empty(0, np.int64)  # tokens seen so far, per id
+        # NOTE: decode steps repeat the previous frame's batch; for that case the counts live in
+        # frame order (hot) and reach the sorted table only when the batch changes.
+        self._hot_ids: np.ndarray | None = None  # [B] the last frame's ids (unique, none finished)
+        self._hot_next: np.ndarray | None = None  # [B] their counts
 
     def __len__(self) -> int:
+        self._cool()
         return int(self._ids.size)
 
     def expect(self, req_id: int, start: int) -> None:
+        self._cool()
         self._upsert(np.array([req_id], np.int64), np.array([start], np.int64))
 
     def check(self, frame: StepOutput) -> np.ndarray:
         """[B] bool: row i carries the seq the tracker expected. Then advances (resyncing wrong
         rows, so one loss is reported once) and forgets finished requests."""
-        ids = frame.req_ids
+        done = _IS_DONE[frame.finish]
         seq = frame.seq.astype(np.int64)
+        hot = self._hot_ids
+        if hot is not None and hot.size == frame.req_ids.size and np.array_equal(hot, frame.req_ids) \
+                and not done.any():
+            ok = seq == self._hot_next
+            self._hot_next = seq + frame.num_tokens
+            return ok
+        self._cool()
+        ok = self._check_cold(frame, seq, done)
+        if ok.all() and not done.any():
+            self._hot_ids, self._hot_next = frame.req_ids.copy(), seq + frame.num_tokens
+        return ok
+
+    def _cool(self) -> None:
+        """Write the hot counts back into the sorted table."""
+        if self._hot_ids is not None:
+            self._upsert(self._hot_ids, self._hot_next)
+            self._hot_ids = self._hot_next = None
+
+    def _check_cold(self, frame: StepOutput, seq: np.ndarray, done: np.ndarray) -> np.ndarray:
+        ids = frame.req_ids
         pos, found = self._lookup(ids)
         expected = np.zeros(ids.size, np.int64)
         expected[found] = self._next[pos[found]]
@@ -43,7 +69,6 @@ class SeqTracker:
         self._next[pos[found]] = seq[found] + frame.num_tokens[found]
         if not found.all():
             self._insert(ids[~found], (seq + frame.num_tokens)[~found])
-        done = _IS_DONE[frame.finish]
         if done.any():
             self._forget(ids[done])
         return ok

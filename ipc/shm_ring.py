@@ -23,6 +23,10 @@ from mtpserve.ipc import wire
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
+_WRITE = wire.RING_DTYPE.fields["write_pos"][1] // 8
+_READ = wire.RING_DTYPE.fields["read_pos"][1] // 8
+
+
 class RingError(ValueError):
     """A ring descriptor points outside the ring or behind what was already released."""
 
@@ -34,6 +38,7 @@ class ShmRing:
         self.name = name
         self._mm = mm
         self._header = np.frombuffer(mm, wire.RING_DTYPE, count=1)
+        self._words = memoryview(mm)[:wire.RING_DTYPE.itemsize].cast("Q")  # u64 positions, fast
         self.capacity = int(self._header["capacity"][0])
         self._data = np.frombuffer(mm, np.uint8, count=self.capacity, offset=wire.RING_HEADER_BYTES)
 
@@ -75,21 +80,22 @@ class ShmRing:
         offset = pos % self.capacity if self.capacity else 0
         if size > self.capacity or offset + size > self.capacity:
             raise RingError("payload crosses the end of the ring")
-        if pos < self.get("read_pos") or pos + size > self.get("write_pos"):
+        if pos < self._words[_READ] or pos + size > self._words[_WRITE]:
             raise RingError("payload outside the written, unreleased span")
         return self._data[offset:offset + size].tobytes()
 
     def release(self, end: int) -> None:
         """Free the ring up to byte position end (monotonic: never moves back)."""
-        if end > self.get("read_pos"):
-            self._header["read_pos"] = end
+        if end > self._words[_READ]:
+            self._words[_READ] = end
 
     @property
     def is_closed(self) -> bool:
         return self._mm.closed
 
     def close(self) -> None:
-        del self._header, self._data
+        self._words.release()
+        del self._header, self._data, self._words
         self._mm.close()
 
     def unlink(self) -> None:

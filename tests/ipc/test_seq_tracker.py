@@ -49,3 +49,16 @@ def test_finished_requests_are_forgotten_preempted_ones_kept():
     t.check(out([1, 2], [0, 0], [1, 1], finish=[wire.Finish.STOP, wire.Finish.PREEMPTED]))
     assert len(t) == 1
     assert t.check(out([2], [1], [1]))[0]
+
+
+def test_a_repeated_batch_takes_the_fast_path_and_stays_exact():
+    """Steady decoding (same batch every frame) and then a change of batch agree with the table."""
+    t = SeqTracker()
+    assert t.check(out([1, 2], [0, 0], [2, 1])).all()
+    assert t.check(out([1, 2], [2, 1], [1, 1])).all()  # hot
+    assert t.check(out([1, 2], [3, 2], [1, 1])).all()  # hot
+    assert t.check(out([1, 2], [4, 9], [1, 1])).tolist() == [True, False]  # a loss on the hot path
+    assert t.check(out([2, 3], [10, 0], [1, 1])).all()  # new batch: counts came back from hot
+    t.expect(9, 4)
+    assert t.check(out([1, 9], [5, 4], [1, 1], finish=[wire.Finish.STOP, 0])).all()
+    assert len(t) == 3  # 1 finished; 2, 3, 9 live
