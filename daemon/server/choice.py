@@ -94,6 +94,8 @@ class ChoiceState:
 
     def _observe_timing(self, items: list[Timed]) -> None:
         for item in items:  # NOTE: one item per engine step, not per token
+            if not item.delta.token_ids:
+                continue  # a bare finish (abort, length at a step boundary) is not a step of this request
             if self.first_token_at is None:
                 self.first_token_at = item.arrived
                 self._metrics.ttft.observe(item.arrived - self.arrival)
