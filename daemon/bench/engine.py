@@ -40,18 +40,21 @@ class Case:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("engine", help="engine core on the synthetic device: busy fraction, "
                               "overlap on vs off")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128],
+                   help="requests kept in flight (closed loop), one run each with overlap off and on")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--step-ms", type=float, default=10.0, help="synthetic device step time")
-    p.add_argument("--acceptance-rate", type=float, default=0.7)
+    p.add_argument("--acceptance-rate", type=float, default=0.7,
+                   help="probability that each synthetic draft is right")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--measure-steps", type=int, default=200)
     p.add_argument("--model", type=Path, default=None,
                    help="also benchmark this model directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--model-batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--model-k", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--model-batch", type=int, nargs="+", default=[1, 16], help="model: batch sizes")
+    p.add_argument("--model-k", type=int, nargs="+", default=[0, 1, 2, 3],
+                   help="model: num_speculative_tokens values (0 = MTP off, the baseline)")
     p.add_argument("--model-prompt-len", type=int, default=64)
     p.add_argument("--model-max-tokens", type=int, default=64)
     p.add_argument("--model-rounds", type=int, default=2, help="batches of prompts per (batch, k)")
