@@ -126,17 +126,23 @@ class EngineCore:
     def step(self) -> StepOutput:
         """1. schedule the next step (upper bounds for what is still in flight) and launch it;
         2. if `overlap` steps are in flight (or nothing new could be launched), wait for the oldest;
-        3. apply its results and return the emitted tokens and finishes."""
-        launched = self._launch()
-        if self._inflight and (len(self._inflight) >= self._depth or not launched):
-            plan, handle = self._inflight.popleft()
-            begin = time.perf_counter()
-            result = handle.result()
-            self.wait_seconds += time.perf_counter() - begin
-            return self._collect(plan, result)
+        3. apply its results and return the emitted tokens and finishes.
+
+        An asyncio wrapper runs the same parts itself so it can await the device instead of
+        blocking: `launch()`, then if `must_collect(...)`: await `oldest_step()`, then `collect()`;
+        otherwise `take_aborted()`.
+        """
+        launched = self.launch()
+        if self.must_collect(launched):
+            return self.collect()
+        return self.take_aborted()
+
+    def take_aborted(self) -> StepOutput:
+        """Finish entries (reason ABORT) of aborts not yet reported; `collect` includes them too."""
         return self._emit_aborts(_Emitter()).build(-1)
 
-    def _launch(self) -> bool:
+    def launch(self) -> bool:
+        """Schedule and launch the next step without waiting; False if there was nothing to run."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return False
@@ -144,6 +150,21 @@ class EngineCore:
                                    self.config.scheduler.num_speculative_tokens)
         self._inflight.append((plan, self.runner.launch(step_plan)))
         return True
+
+    def must_collect(self, launched: bool) -> bool:
+        return bool(self._inflight) and (len(self._inflight) >= self._depth or not launched)
+
+    def oldest_step(self) -> StepHandle:
+        """The handle (a concurrent.futures.Future for both runners) of the step `collect` takes."""
+        return self._inflight[0][1]
+
+    def collect(self) -> StepOutput:
+        """Take the oldest launched step's results (waiting if needed) and apply them."""
+        plan, handle = self._inflight.popleft()
+        begin = time.perf_counter()
+        result = handle.result()
+        self.wait_seconds += time.perf_counter() - begin
+        return self._collect(plan, result)
 
     def _collect(self, plan: SchedulePlan, result: StepResult) -> StepOutput:
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)

@@ -207,3 +207,22 @@ def test_one_step_lag_rows_are_discarded_and_change_nothing():
     ref = run(plain, requests_for(texts, max_tokens=60))
     assert got.tokens == ref.tokens and got.reasons == ref.reasons
     assert lagged.num_discarded_rows > 0 and plain.num_discarded_rows == 0
+
+
+async def test_an_asyncio_loop_can_await_the_device_instead_of_blocking(reference):
+    """The wrapper's pattern: launch, await the oldest step's future, collect; intake meanwhile."""
+    import asyncio
+
+    texts, ref = reference
+    core = make_core(k=2)
+    col = Collector()
+    pending = requests_for(texts[:10])
+    while pending or core.has_unfinished_requests():
+        if pending:
+            core.add_request(pending.pop(0))  # intake while a step is on the device
+        launched = core.launch()
+        if core.must_collect(launched):
+            await asyncio.wrap_future(core.oldest_step())
+            col.take(core.collect())
+    core.close()
+    assert col.tokens == {rid: ref.tokens[rid] for rid in col.tokens} and len(col.tokens) == 10
