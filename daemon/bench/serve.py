@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import sysconfig
@@ -51,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("serve-bench.json"))
     p.add_argument("--plot-dir", type=Path, default=None, help="PNG plots here (default: next to --out)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="also report this local process's CPU time per streamed token (Linux /proc)")
     p.set_defaults(func=run)
 
 
@@ -97,13 +100,26 @@ async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, mo
     url, bodies = _url(args), [request_body(args, model, p) for p in prompts]
     await asyncio.gather(*(send_request(session, url, b) for b in bodies[:args.warmup]))
     await asyncio.sleep(args.settle)
-    before = await _scrape(session, args.base_url)
+    before, cpu_before = await _scrape(session, args.base_url), process_cpu_s(args.server_pid)
     start = time.perf_counter()
     results = await _drive(session, url, bodies, concurrency, args)
     duration = time.perf_counter() - start
+    cpu = process_cpu_s(args.server_pid) - cpu_before
     await asyncio.sleep(args.settle)
     after = await _scrape(session, args.base_url)
-    return summarize(results, duration, {**acceptance(before, after), **_per_request_spec(results)})
+    summary = summarize(results, duration, {**acceptance(before, after), **_per_request_spec(results)})
+    if args.server_pid is not None:
+        summary["server_cpu_s"] = cpu
+        summary["server_cpu_us_per_token"] = 1e6 * cpu / max(summary["total_output_tokens"], 1)
+    return summary
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _drive(session: aiohttp.ClientSession, url: str, bodies: list[dict], concurrency: int,

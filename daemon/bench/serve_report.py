@@ -72,6 +72,8 @@ def format_run(label: str, s: dict) -> str:
              f"acceptance length {acc:.3f}" if acc else
              f"  req/s {s['request_throughput']:.2f}  out tok/s {s['output_throughput']:.1f}  "
              f"total tok/s {s['total_token_throughput']:.1f}  tokens/chunk {s['tokens_per_chunk']:.2f}",
+             *([f"  server CPU {s['server_cpu_s']:.2f}s = {s['server_cpu_us_per_token']:.1f} us/token"]
+               if "server_cpu_s" in s else []),
              "  (ms)", row("TTFT", "ttft_ms"), row("TPOT", "tpot_ms"), row("ITL", "itl_ms"), row("E2E", "e2el_ms")]
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 the API process alone (e.g. with `mtpserve bench serve`) before the real engine is wired in.
 
 Usage: python tests/server/fake_stack.py MODEL_DIR [--port 8011] [--step-ms 1] [--k 2]
-MODEL_DIR needs tokenizer.json (+ tokenizer_config.json for chat). Ctrl-C stops everything.
+MODEL_DIR without a tokenizer.json gets a freshly trained one (4096 tokens, ChatML template).
+Prints the HTTP process's pid (for `mtpserve bench serve --server-pid`). Ctrl-C or SIGTERM stops all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import start_fake_engine  # noqa: E402
+from server_harness import start_fake_engine, write_model_dir  # noqa: E402
 from mtpserve.config import Config  # noqa: E402
 from mtpserve.tokenizer import Tokenizer  # noqa: E402
 
@@ -35,6 +36,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # NOTE: SIGINT is ignored when started in the background
     with tempfile.TemporaryDirectory(prefix="mtpserve-fake-") as tmp:
         runtime = Path(tmp) / "rt"
+        if not (args.model_dir / "tokenizer.json").exists():
+            write_model_dir(args.model_dir, vocab_size=4096)
         vocab = Tokenizer.from_model_dir(args.model_dir).vocab_size
         engine = start_fake_engine(runtime, vocab, "--step-ms", args.step_ms, "--k", args.k,
                                    "--max-model-len", args.max_model_len)
@@ -43,7 +46,8 @@ def main() -> None:
                                      engine=dataclasses.replace(base.engine, model=str(args.model_dir)))
         (runtime / "config.json").write_bytes(msgspec.json.encode(config))
         http = subprocess.Popen([sys.executable, "-m", "mtpserve.server.main", str(runtime / "config.json")])
-        print(f"serving on http://127.0.0.1:{args.port} (fake engine, step {args.step_ms} ms, k={args.k})", flush=True)
+        print(f"serving on http://127.0.0.1:{args.port} (fake engine, step {args.step_ms} ms, k={args.k}); "
+              f"HTTP pid {http.pid}", flush=True)
         try:
             while http.poll() is None and engine.proc.poll() is None:
                 time.sleep(0.2)

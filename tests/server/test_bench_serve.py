@@ -20,7 +20,8 @@ def _args(base_url, tmp_path, *extra):
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_bench_serve_against_fake_engine(fake_server, tmp_path, endpoint):
     base_url, _ = fake_server
-    args = _args(base_url, tmp_path, "--endpoint", endpoint)
+    import os
+    args = _args(base_url, tmp_path, "--endpoint", endpoint, "--server-pid", str(os.getpid()))
     report = await serve.run_all(args)
     assert [r["concurrency"] for r in report["runs"]] == [1, 4]
     for run in report["runs"]:
@@ -30,6 +31,7 @@ async def test_bench_serve_against_fake_engine(fake_server, tmp_path, endpoint):
         assert s["tokens_per_chunk"] > 1  # MTP: several tokens per chunk
         spec = s["spec_decode"]
         assert spec["acceptance_length"] == pytest.approx(spec["per_request_acceptance_length"], rel=1e-6)
+        assert s["server_cpu_s"] > 0  # the in-process app's CPU (here the test process itself)
         assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p99"] >= s["tpot_ms"]["p50"]
     assert len(report["plots"]) == 2
     json.dumps(report)
