@@ -42,7 +42,8 @@ def main() -> None:
         engine = start_fake_engine(runtime, vocab, "--step-ms", args.step_ms, "--k", args.k,
                                    "--max-model-len", args.max_model_len)
         base = Config()
-        config = dataclasses.replace(base, server=dataclasses.replace(base.server, port=args.port, max_concurrent_requests=1024),
+        server = dataclasses.replace(base.server, port=args.port, max_concurrent_requests=1024)
+        config = dataclasses.replace(base, server=server,
                                      engine=dataclasses.replace(base.engine, model=str(args.model_dir)))
         (runtime / "config.json").write_bytes(msgspec.json.encode(config))
         http = subprocess.Popen([sys.executable, "-m", "mtpserve.server.main", str(runtime / "config.json")])
