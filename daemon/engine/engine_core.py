@@ -101,6 +101,10 @@ class EngineCore:
     # ---- intake ---------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ValueError if it can never run (ids outside the vocabulary, or
+        more KV than the whole cache). Takes effect at the next launch, even while a step runs."""
+        if max(request.prompt_ids) >= self.runner.vocab_size or min(request.prompt_ids) < 0:
+            raise ValueError(f"request {request.request_id}: prompt token id outside [0, {self.runner.vocab_size})")
         seed = request.params.seed
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63))

@@ -226,3 +226,13 @@ async def test_an_asyncio_loop_can_await_the_device_instead_of_blocking(referenc
             col.take(core.collect())
     core.close()
     assert col.tokens == {rid: ref.tokens[rid] for rid in col.tokens} and len(col.tokens) == 10
+
+
+def test_requests_that_can_never_run_are_refused_at_intake():
+    core = make_core()
+    with pytest.raises(ValueError):
+        core.add_request(EngineRequest("oov", (1, VOCAB), greedy()))
+    with pytest.raises(ValueError):
+        core.add_request(EngineRequest("huge", (1, 2), greedy(max_tokens=100_000)))
+    assert not core.has_unfinished_requests()
+    core.close()
