@@ -107,8 +107,16 @@ void OutputChannel::OpenQueue() {
     throw std::invalid_argument("max_msg_bytes exceeds the queue's message size");
 }
 
+void OutputChannel::CheckOpen() const {
+  // NOTE: a removed POSIX queue stays usable through an open descriptor, so the ring's closed flag
+  // (set by the owner before it removes the objects) is what tells the engine nobody reads.
+  if (__atomic_load_n(&ring_->closed, __ATOMIC_ACQUIRE))
+    throw std::runtime_error("output channel is closed (the HTTP side removed it)");
+}
+
 ChannelStatus OutputChannel::Submit(FrameHeader header, const std::vector<uint8_t>& payload) {
   std::lock_guard<std::mutex> lock(mu_);
+  CheckOpen();
   if (!pending_.empty() && pending_bytes_ + static_cast<int64_t>(payload.size()) > address_.max_pending_bytes)
     throw std::runtime_error("output back-pressure bound exceeded: the engine must pause while frames are pending");
   const uint64_t body_max = address_.max_msg_bytes - mtp_wire::kHeaderSize;
@@ -133,6 +141,7 @@ ChannelStatus OutputChannel::Submit(FrameHeader header, const std::vector<uint8_
 
 ChannelStatus OutputChannel::Flush() {
   std::lock_guard<std::mutex> lock(mu_);
+  CheckOpen();
   return FlushLocked();
 }
 

@@ -8,7 +8,8 @@
 //      the engine must pause scheduling new work and call Flush until the count is zero.
 //   4. The FIFO is bounded by max_pending_bytes; a submit past the bound throws (the engine ignored
 //      step 3), loudly, instead of dropping or growing without limit.
-//   5. A queue that was removed (the reader's side is gone) throws from send: the engine stops.
+//   5. A channel that was removed (the reader's side is gone: ring marked closed, or the queue
+//      removed) throws from submit and flush: the engine stops instead of sending into the void.
 #pragma once
 #include <mqueue.h>
 
@@ -66,6 +67,7 @@ class OutputChannel {
   explicit OutputChannel(const ChannelAddress& address);
   void OpenRing();
   void OpenQueue();
+  void CheckOpen() const;
   ChannelStatus FlushLocked();
   bool Advance(Pending* p, const uint8_t* payload);
   bool PlaceInRing(Pending* p, const uint8_t* payload);

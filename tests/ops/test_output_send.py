@@ -277,3 +277,14 @@ def test_under_back_pressure_ring_frames_share_descriptor_messages(open_channel)
     for frame, step in zip(frames, sent):
         assert_frame_matches(frame, step)
     reader.close()
+
+
+@pytest.mark.parametrize("transport", ["posix", "sysv"])
+def test_a_removed_channel_stops_the_sender(open_channel, transport):
+    """A POSIX queue stays writable through an open descriptor after unlink; the ring's closed flag
+    is what stops the engine."""
+    ch, sender = open_channel(transport)
+    send(sender, make_step(0, 2, 1, 0, False))
+    ch.remove()
+    with pytest.raises(OSError, match="closed|gone"):
+        send(sender, make_step(1, 2, 1, 0, False))
