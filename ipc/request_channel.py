@@ -13,7 +13,11 @@ Lifecycle (engine side):
      removing a stale socket left by a dead instance, refusing to start when a live one answers.
   2. the rank loop drains `server.poll()` (never blocks) or awaits `server.recv()`.
   3. `server.set_ready(EngineReady(...))` once the model is loaded; late clients get it on connect.
-  4. `server.send(EngineStats(...))` at a fixed interval (also the heartbeat `/health` watches).
+  4. `server.send(EngineStats(...))` every ~0.25-0.5 s, idle or not: it is the heartbeat `/health`
+     watches (no stats, or a frozen step_id while requests run, for 10 s = unhealthy).
+  5. AbortRequest: free the ids it knows, ignore the others (a finished request may be aborted
+     late); a final ABORT frame for them is optional (the HTTP side has already let them go).
+  6. RequestFailed when a request cannot be served (it ends that request with an error).
 Lifecycle (HTTP side):
   1. `client = await RequestChannelClient.connect(runtime_dir, timeout_s)` (retries until the socket
      exists), 2. `ready = await client.wait_ready(timeout_s)`, 3. `client.send(AddRequest(...))`,
