@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             from mtpserve.model.loader import load_model
 
             report["greedy_equality"] = equality_report(load_model(args.model), args.model,
-                                                        [k for k in args.model_k if k], args.model_equality_prompts, 32)
+                                                        [k for k in args.model_k if k],
+                                                        args.model_equality_prompts, 32)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def make_core(case: Case) -> EngineCore:
     num_blocks = case.batch * ((case.prompt_len + case.max_tokens) // 16 + 4) + 64
-    sched = SchedulerConfig(max_num_seqs=case.batch, max_num_batched_tokens=max(2048, case.batch * (case.k + 1)),
+    budget = max(2048, case.batch * (case.k + 1))
+    sched = SchedulerConfig(max_num_seqs=case.batch, max_num_batched_tokens=budget,
                             max_prefill_chunk=512, num_speculative_tokens=case.k,
                             num_blocks=num_blocks, block_size=16)
     runner = SyntheticRunner(SyntheticConfig(

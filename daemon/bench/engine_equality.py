@@ -61,7 +61,8 @@ def equality_report(model, model_dir: Path, ks: list[int], num_prompts: int, max
         single = decode_all(model, prompts, k, 1, max_tokens) if k else ref
         batched = decode_all(model, prompts, k, 16, max_tokens)
         diverged = [rid for rid in ref if batched[rid] != ref[rid]]
-        unexplained = [rid for rid in diverged if top2_gap(model, _prefix(prompts, ref, batched, rid)) >= NEAR_TIE]
+        unexplained = [rid for rid in diverged
+                       if top2_gap(model, _prefix(prompts, ref, batched, rid)) >= NEAR_TIE]
         rows.append({"k": k, "prompts": len(prompts), "max_tokens": max_tokens,
                      "batch1_identical": sum(single[r] == ref[r] for r in ref),
                      "batch16_match_rate": 1 - len(diverged) / len(ref),

@@ -67,7 +67,8 @@ class _Emitter:
 
     def _logprob_columns(self) -> dict:
         width = max(max(self.widths), 0)
-        parts = [lp if lp is not None else _no_logprobs(t.shape[0]) for lp, t in zip(self.logprobs, self.tokens)]
+        parts = [lp if lp is not None else _no_logprobs(t.shape[0])
+                 for lp, t in zip(self.logprobs, self.tokens)]
         pad = lambda a, fill: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)  # noqa: E731
         return dict(token_logprobs=np.concatenate([p[0] for p in parts]).astype(np.float32),
                     token_ranks=np.concatenate([p[1] for p in parts]).astype(np.int64),
@@ -104,7 +105,8 @@ class EngineCore:
         """Queue a request; raises ValueError if it can never run (ids outside the vocabulary, or
         more KV than the whole cache). Takes effect at the next launch, even while a step runs."""
         if max(request.prompt_ids) >= self.runner.vocab_size or min(request.prompt_ids) < 0:
-            raise ValueError(f"request {request.request_id}: prompt token id outside [0, {self.runner.vocab_size})")
+            raise ValueError(f"request {request.request_id}: prompt token id outside "
+                             f"[0, {self.runner.vocab_size})")
         seed = request.params.seed
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63))

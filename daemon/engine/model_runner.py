@@ -79,7 +79,8 @@ class PaddleModelRunner:
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
             out = self.model.run(batch.input_ids, batch.positions, ctx)
             rows = self._verify_rows(plan, win)  # [B, k+1]
-            logits = self.model.compute_logits(paddle.gather(out.hidden_states, paddle.to_tensor(rows.reshape(-1))))
+            rows_dev = paddle.to_tensor(rows.reshape(-1))
+            logits = self.model.compute_logits(paddle.gather(out.hidden_states, rows_dev))  # [B*(k+1), V]
             v = self._decide(plan, logits)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
@@ -159,7 +160,8 @@ class PaddleModelRunner:
         """greedy: [B, k+1] argmax per verify row."""
         if self.num_speculative_tokens == 0:
             return self._finish_verify(plan, greedy[:, 0].numpy(), None)
-        return self._finish_verify(plan, greedy[:, 0].numpy(), verify_greedy(greedy, paddle.to_tensor(drafts)))
+        verified = verify_greedy(greedy, paddle.to_tensor(drafts))
+        return self._finish_verify(plan, greedy[:, 0].numpy(), verified)
 
     def _finish_verify(self, plan: StepPlan, first: np.ndarray, res: VerifyResult | None) -> Verified:
         """Prefill rows (and every row when k = 0) emit their plain draw `first` [B]."""
