@@ -14,6 +14,7 @@ import time
 from typing import NamedTuple
 
 import msgspec
+import structlog
 
 from mtpserve.ipc.request_channel import (
     AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, RequestChannelClient, RequestFailed,
@@ -27,6 +28,8 @@ from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import OutputClosed, OutputSource
 from mtpserve.server.stop_strings import StopStringMatcher
 from mtpserve.server.tracker import RequestStream, Tracker
+
+log = structlog.get_logger("mtpserve.server")
 
 
 class GenerateRequest(NamedTuple):
@@ -130,6 +133,9 @@ class EngineClient:
                 self._on_control(await self._channel.recv())
         except (ChannelClosed, msgspec.DecodeError) as exc:
             self._engine_gone(f"request channel closed ({exc})")
+        except Exception as exc:
+            log.exception("control loop failed")
+            self._engine_gone(f"control loop failed ({type(exc).__name__}: {exc})")
 
     def _on_control(self, msg: EngineReady | EngineStats | RequestFailed) -> None:
         if isinstance(msg, EngineStats):
@@ -145,6 +151,9 @@ class EngineClient:
                 self.tracker.dispatch(await self._output.next_batch())
         except OutputClosed as exc:
             self._engine_gone(f"output path closed ({exc})")
+        except Exception as exc:  # NOTE: fail visibly (503, /health) rather than leave streams hanging
+            log.exception("output loop failed")
+            self._engine_gone(f"output reader failed ({type(exc).__name__}: {exc})")
 
     def _engine_gone(self, reason: str) -> None:
         self.health.dead(reason)
