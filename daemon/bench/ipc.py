@@ -281,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--reader-child"]:
-        import asyncio
-
         import uvloop
 
         report = uvloop.run(_reader_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))

@@ -4,7 +4,6 @@ bit-exact, in order, sequence numbers intact, back-pressure reported and never a
 import asyncio
 
 import numpy as np
-import paddle
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
