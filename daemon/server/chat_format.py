@@ -18,6 +18,10 @@ class ChatFormat:
         self._cache = cache
         self._num_choices = num_choices
 
+    @property
+    def response_id(self) -> str:
+        return self._id
+
     def _head(self, obj: str) -> dict:
         return {"id": self._id, "object": obj, "created": self._created, "model": self._model}
 

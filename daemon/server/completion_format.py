@@ -19,6 +19,10 @@ class CompletionFormat:
         self._n = n
         self._offsets: dict[int, int] = {}  # choice index -> text length sent so far
 
+    @property
+    def response_id(self) -> str:
+        return self._head["id"]
+
     def opening_chunks(self) -> list[dict]:
         if not self._echo:
             return []

@@ -21,6 +21,8 @@ from mtpserve.server.usage import usage
 
 
 class ResponseFormat(Protocol):
+    response_id: str  # also sent as the X-Request-Id header
+
     def opening_chunks(self) -> list[dict]: ...
     def chunk(self, update: ChoiceUpdate) -> dict: ...
     def usage_chunk(self, usage: dict) -> dict: ...
@@ -30,6 +32,7 @@ class ResponseFormat(Protocol):
 async def stream_response(request: web.Request, engine: EngineClient, stream: RequestStream,
                           fmt: ResponseFormat, options: StreamOptions | None) -> web.StreamResponse:
     writer = SseWriter(request)
+    writer.response.headers["X-Request-Id"] = fmt.response_id
     try:
         await writer.start()
         await _send_chunks(writer, engine, stream, fmt, options)
@@ -77,7 +80,8 @@ async def collect_response(engine: EngineClient, stream: RequestStream, fmt: Res
     finally:
         engine.release(stream)
     merged = [merge_updates(index, parts) for index, parts in sorted(collected.items())]
-    return web.json_response(fmt.body(merged, usage(stream, engine.ready.num_speculative_tokens)))
+    return web.json_response(fmt.body(merged, usage(stream, engine.ready.num_speculative_tokens)),
+                             headers={"X-Request-Id": fmt.response_id})
 
 
 def merge_updates(index: int, parts: list[ChoiceUpdate]) -> ChoiceUpdate:

@@ -148,6 +148,11 @@ async def test_stop_token_ids_and_min_tokens(client, text_model):
     assert out.usage.completion_tokens == len(ids) + 3
 
 
+async def test_request_id_header(client):
+    raw = await client.completions.with_raw_response.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id
+
+
 async def test_models_tokenize_detokenize(fake_server, client, text_model):
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
