@@ -55,8 +55,8 @@ class PaddleModelRunner:
         self.kv = KVCache.allocate(mc.num_hidden_layers, *kv_args)
         self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
         self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
-        mtp_kv = [KVCache.allocate(model.num_mtp_layers, *kv_args) for _ in range(k)]
-        self.proposer = MTPProposer(model, mtp_kv) if k else None
+        self.proposer = MTPProposer(model, [_depth_cache(model.num_mtp_layers, kv_args) for _ in range(k)]) \
+            if k else None
         self._stream = DeviceStream("model-device")
 
     def launch(self, plan: StepPlan):
@@ -173,3 +173,10 @@ class PaddleModelRunner:
         tokens[pre] = -1
         tokens[pre, 0] = first[pre]
         return Verified(tokens, np.where(pre, 1, emitted), np.where(pre, 0, accepted))
+
+
+def _depth_cache(num_mtp_layers: int, kv_args: tuple) -> KVCache:
+    """One layer of KV storage that every MTP layer index maps to: depth i runs layer i % L, and
+    only that one writes this depth's cache, so the other L-1 layers need no memory of their own."""
+    one = KVCache.allocate(1, *kv_args)
+    return dataclasses.replace(one, k=one.k * num_mtp_layers, v=one.v * num_mtp_layers)

@@ -171,9 +171,12 @@ def test_seeded_sampling_ignores_batch_neighbours(model, k):
     assert run(make_core(model, k=k), [unseeded], 1)["free"] != alone  # the seed is what fixes it
 
 
-def test_first_draft_is_the_dense_mtp_prediction(model):
-    core = make_core(model, k=1, overlap=False)
-    prompt = prompts(1, seed=7)[0]
+@pytest.mark.parametrize("k", [1, 2])
+def test_first_draft_is_the_dense_mtp_prediction(model, k):
+    """Depth 0 of the MTP proposer, over a prompt prefilled in three chunks and then decode windows,
+    drafts exactly what a dense recompute of the whole sequence predicts."""
+    core = make_core(model, k=k, overlap=False)
+    prompt = tuple(int(t) for t in np.random.default_rng(7).integers(1, VOCAB, 40))
     core.add_request(EngineRequest("a", prompt, SamplingParams(temperature=0.0, max_tokens=10)))
     tokens = list(prompt)
     checked = 0
