@@ -25,15 +25,18 @@ using OptTensor = paddle::optional<paddle::Tensor>;
   "rank_id: int", "send_rank: int", "transport: int", "queue: std::string", "sysv_key: int64_t", \
       "ring: std::string", "max_msg_bytes: int64_t", "max_pending_bytes: int64_t", "chunked: bool"
 
+// Host memory: CPU, or pinned (the engine's async D2H mirrors on a GPU host).
+bool OnHost(const paddle::Tensor& t) { return t.is_cpu() || t.is_gpu_pinned(); }
+
 IntView Ints(const paddle::Tensor& t, const char* name) {
-  PD_CHECK(t.is_cpu(), name, " must be a host tensor");
+  PD_CHECK(OnHost(t), name, " must be a host tensor");
   if (t.dtype() == paddle::DataType::INT64) return {t.data<int64_t>(), true};
   PD_CHECK(t.dtype() == paddle::DataType::INT32, name, " must be int32 or int64");
   return {t.data<int32_t>(), false};
 }
 
 const float* Floats(const paddle::Tensor& t, const char* name) {
-  PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32, name, " must be a host float32 tensor");
+  PD_CHECK(OnHost(t) && t.dtype() == paddle::DataType::FLOAT32, name, " must be a host float32 tensor");
   return t.data<float>();
 }
 

@@ -39,7 +39,7 @@ def channel(request, open_channel):
     return open_channel(transport, chunked, ring_bytes=1 << 20)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps())
 def test_random_batches_round_trip_bit_exact(channel, step):
     ch, sender = channel
@@ -287,3 +287,21 @@ def test_a_removed_channel_stops_the_sender(open_channel, transport):
     ch.remove()
     with pytest.raises(OSError, match="closed|gone"):
         send(sender, make_step(1, 2, 1, 0, False))
+
+
+def test_draft_frames_carry_draft_logprobs_and_leave_the_seq_count_alone(open_channel):
+    """DRAFT frames pair with TARGET frames by (req_id, seq), not by arrival order."""
+    ch, sender = open_channel("sysv")
+    reader = PollingReader(ch)
+    target = next(advancing_steps(1, 8, 2, 3))
+    draft = make_step(9, 8, 3, 3, True)._replace(req_ids=target.req_ids, seq=target.seq + 2)
+    send(sender, target, 0)
+    sender.send_step(step_id=0, req_ids=draft.req_ids, seq=draft.seq, num_tokens=draft.num_tokens,
+                     finish=draft.finish * 0, token_ids=draft.token_ids, num_topk=3,
+                     logprobs=ops.StepLogprobs(draft.logprob, draft.rank, draft.topk_ids,
+                                               draft.topk_logprobs), kind=wire.Kind.DRAFT)
+    frames = reader.poll()
+    assert [f.kind for f in frames] == [wire.Kind.TARGET, wire.Kind.DRAFT]
+    assert_frame_matches(frames[1], draft._replace(finish=draft.finish * 0))
+    assert reader.stats.seq_errors == 0 and len(reader.tracker) == 8
+    reader.close()
