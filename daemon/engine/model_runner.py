@@ -55,8 +55,8 @@ class PaddleModelRunner:
         self.kv = KVCache.allocate(mc.num_hidden_layers, *kv_args)
         self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
         self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
-        self.proposer = MTPProposer(model, [_depth_cache(model.num_mtp_layers, kv_args) for _ in range(k)]) \
-            if k else None
+        depth_caches = [_depth_cache(model.num_mtp_layers, kv_args) for _ in range(k)]
+        self.proposer = MTPProposer(model, depth_caches) if k else None
         self._stream = DeviceStream("model-device")
 
     def launch(self, plan: StepPlan):
