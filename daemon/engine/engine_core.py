@@ -112,7 +112,7 @@ class EngineCore:
             seed = int(self._seeds.integers(0, 2**63))
         self.scheduler.add(Request(request, next(self._arrivals), seed))
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: int | str) -> bool:
         """Drop a request in any phase. Results of steps already launched for it are discarded."""
         if self.scheduler.abort(request_id) is None:
             return False

@@ -8,6 +8,7 @@ ever waits on a step's future. A GPU port keeps the same shapes with the slot st
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -59,7 +60,7 @@ class PaddleModelRunner:
         self.proposer = MTPProposer(model, depth_caches) if k else None
         self._stream = DeviceStream("model-device")
 
-    def launch(self, plan: StepPlan):
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future:
         return self._stream.submit(self._execute, plan)
 
     def busy_seconds(self) -> float:

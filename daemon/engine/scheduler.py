@@ -115,7 +115,7 @@ class Scheduler:
         self._by_id[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: int | str) -> Request | None:
         """Drop a request in any phase; returns it (finished, reason ABORT) or None if unknown."""
         request = self._by_id.get(request_id)
         if request is None:
@@ -125,7 +125,7 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return request
 
-    def get(self, request_id: str) -> Request | None:
+    def get(self, request_id: int | str) -> Request | None:
         return self._by_id.get(request_id)
 
     @property

@@ -13,6 +13,7 @@ Only greedy decoding is modelled (sampling parameters other than the stop rules 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -64,7 +65,7 @@ class SyntheticRunner:
         self._busy = 0.0
         self._stream = DeviceStream("synthetic-device")
 
-    def launch(self, plan: StepPlan):
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future:
         return self._stream.submit(self._execute, plan, time.perf_counter())
 
     def busy_seconds(self) -> float:
