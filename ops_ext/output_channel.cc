@@ -121,8 +121,10 @@ ChannelStatus OutputChannel::Submit(FrameHeader header, const std::vector<uint8_
     throw std::runtime_error("output back-pressure bound exceeded: the engine must pause while frames are pending");
   const uint64_t body_max = address_.max_msg_bytes - mtp_wire::kHeaderSize;
   Pending p;
-  header.frame_seq = ring_->next_frame_seq++;
   p.in_ring = payload.size() > body_max && !address_.chunked;
+  if (p.in_ring && payload.size() > ring_->capacity)  // before it takes a frame_seq or a FIFO slot
+    throw std::runtime_error("frame larger than the ring; raise the ring size");
+  header.frame_seq = ring_->next_frame_seq++;
   header.chunk_count = p.in_ring ? 1 : ChunkCount(payload.size(), body_max);
   p.header = header;
   if (pending_.empty()) {
