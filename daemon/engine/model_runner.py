@@ -176,6 +176,15 @@ class PaddleModelRunner:
         return Verified(tokens, np.where(pre, 1, emitted), np.where(pre, 0, accepted))
 
 
+def kv_blocks_for_budget(model: MiMoForCausalLM, block_size: int, num_speculative_tokens: int,
+                         budget_mb: int, dtype_bytes: int = 4) -> int:
+    """How many KV blocks fit in `budget_mb`: K and V of every main layer plus one layer per MTP depth."""
+    mc = model.config
+    layers = mc.num_hidden_layers + num_speculative_tokens
+    per_block = 2 * layers * block_size * mc.num_key_value_heads * mc.head_dim * dtype_bytes
+    return max(1, (budget_mb << 20) // per_block - 1)  # NOTE: -1: KVCache adds a scratch block
+
+
 def _depth_cache(num_mtp_layers: int, kv_args: tuple) -> KVCache:
     """One layer of KV storage that every MTP layer index maps to: depth i runs layer i % L, and
     only that one writes this depth's cache, so the other L-1 layers need no memory of their own."""

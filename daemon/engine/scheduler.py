@@ -28,6 +28,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_blocks: int = 1024
     block_size: int = 16
+    max_model_len: int = 0  # prompt + max_tokens limit; 0: only the KV capacity limits
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "num_blocks", "block_size")
@@ -254,6 +255,10 @@ class Scheduler:
             self._finish(request, reason)
 
     def _check_fits(self, request: Request) -> None:
+        total = request.num_prefill_tokens + request.params.max_tokens
+        if self.config.max_model_len and total > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id}: prompt + max_tokens = {total} exceeds "
+                             f"max_model_len {self.config.max_model_len}")
         # NOTE: a lone request must always be able to run: prompt, all outputs, and the two decode
         # windows that may be reserved while one is in flight.
         longest = request.num_prefill_tokens + request.params.max_tokens + 2 * self.config.decode_window

@@ -270,3 +270,11 @@ def test_sampled_outputs_keep_their_distribution_with_mtp(drafty):
     for col in (1, 2, 3):
         assert two_sample_chi2_pvalue(plain[:, col], spec[:, col], VOCAB) > 1e-4
     assert (plain != spec).any()  # different random paths, same distribution
+
+
+def test_kv_budget_counts_main_layers_and_mtp_depths():
+    from mtpserve.engine.model_runner import kv_blocks_for_budget
+
+    model = tiny_model()  # K and V, 2 layers, 16 slots, 2 KV heads of 8 dims, fp32: 4 KiB per block
+    assert kv_blocks_for_budget(model, 16, 0, 1) == 1024 // 4 - 1
+    assert kv_blocks_for_budget(model, 16, 2, 1) == 1024 // 8 - 1  # two MTP depth caches

@@ -170,3 +170,10 @@ def test_request_that_can_never_fit_is_rejected_at_intake():
     sched = Scheduler(SchedulerConfig(num_blocks=4, block_size=4))
     with pytest.raises(ValueError):
         sched.add(make("big", 10, max_tokens=10))
+
+
+def test_max_model_len_is_enforced_at_intake():
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=20))
+    sched.add(make("ok", 10, max_tokens=10))
+    with pytest.raises(ValueError):
+        sched.add(make("long", 11, max_tokens=10))
