@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import posix_ipc
 
@@ -183,16 +184,33 @@ def _create_queue(instance: str, transport: wire.Transport, max_msg_bytes: int, 
         os.fchmod(mq.mqd, 0o600)
         mq.close()
         return -1
+    claimed = _live_sysv_keys()
     for attempt in range(names.MAX_KEY_ATTEMPTS):
         key = names.sysv_key(instance, attempt)
-        _remove_orphan_sysv_queue(key)
+        if key not in claimed:
+            _remove_orphan_sysv_queue(key)
         if sysv.create(key) is not None:
             return key
     raise RuntimeError(f"no free SysV key for instance {instance!r} in {names.MAX_KEY_ATTEMPTS} tries")
 
 
+def _live_sysv_keys() -> set[int]:
+    """Keys recorded by this user's rings whose owner lives: never treated as orphans."""
+    keys = set()
+    for path in Path("/dev/shm").glob(f"mtpserve.{os.getuid()}.*.out"):
+        try:
+            ring = ShmRing.open("/" + path.name)
+        except (OSError, posix_ipc.Error):
+            continue
+        if ring.is_valid() and owner_alive(ring):
+            keys.add(ring.get("sysv_key"))
+        ring.close()
+    return keys
+
+
 def _remove_orphan_sysv_queue(key: int) -> None:
-    """Remove a queue at one of our keys if it is ours and no live process used it (a crash left it)."""
+    """Remove a queue at one of our keys left by a crash: ours, claimed by no live ring, and no live
+    process sent or received on it."""
     qid = sysv.find(key)
     if qid is None or sysv.owner_uid(qid) != os.getuid():
         return

@@ -130,3 +130,18 @@ def test_channel_uses_stock_kernel_limits(make_channel):
         assert (mq.max_messages, mq.max_message_size) == (10, 8192)
     finally:
         mq.close()
+
+
+def test_a_live_instance_queue_is_never_taken_for_an_orphan(make_channel, instance, monkeypatch):
+    """Even if two instances' keys collided, the one claimed by a live ring is skipped, not removed."""
+    live = make_channel("sysv")
+    other = instance + "-b"
+    monkeypatch.setattr(names, "sysv_key",
+                        lambda inst, attempt, uid=None: live.address.sysv_key if attempt == 0 else
+                        0x10000 + hash((inst, attempt)) % 0x7FFF0000)
+    second = OutputChannel.create(other, "sysv")
+    try:
+        assert second.address.sysv_key != live.address.sysv_key
+        assert sysv.find(live.address.sysv_key) is not None
+    finally:
+        second.remove()
