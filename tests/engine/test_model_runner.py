@@ -278,3 +278,16 @@ def test_kv_budget_counts_main_layers_and_mtp_depths():
     model = tiny_model()  # K and V, 2 layers, 16 slots, 2 KV heads of 8 dims, fp32: 4 KiB per block
     assert kv_blocks_for_budget(model, 16, 0, 1) == 1024 // 4 - 1
     assert kv_blocks_for_budget(model, 16, 2, 1) == 1024 // 8 - 1  # two MTP depth caches
+
+
+def test_factory_builds_a_working_engine_from_plain_parameters():
+    from mtpserve.engine.engine_factory import build_model_engine
+
+    model = drafty_model()
+    core = build_model_engine(model, num_speculative_tokens=2, max_num_seqs=4, kv_cache_mb=1)
+    assert core.scheduler.config.num_blocks == 1024 // 8 - 1  # 2 KiB per layer and block, 2 + 2 layers
+    out = run(core, greedy_requests(prompts(3), 8), batch=4)
+    assert all(len(tokens) == 8 for tokens in out.values())
+    plain = build_model_engine(tiny_model(mtp_layers=0), num_speculative_tokens=2, kv_cache_mb=1)
+    assert plain.scheduler.config.num_speculative_tokens == 0
+    plain.close()
