@@ -16,7 +16,7 @@ import numpy as np
 from mtpserve.engine.request import EngineRequest, FinishReason, Request
 from mtpserve.engine.runner import ModelRunner, StepHandle
 from mtpserve.engine.sampler import check_bounds
-from mtpserve.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
 from mtpserve.engine.step_output import StepOutput
 from mtpserve.engine.step_plan import StepPlan, StepResult
@@ -92,7 +92,7 @@ class EngineCore:
         self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
         self._inflight: collections.deque[tuple[SchedulePlan, StepHandle]] = collections.deque()
         self._depth = 2 if config.overlap else 1
-        self._aborted: list[str] = []
+        self._aborted: list[int | str] = []
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -173,26 +173,30 @@ class EngineCore:
         return self._collect(plan, result)
 
     def _collect(self, plan: SchedulePlan, result: StepResult) -> StepOutput:
+        """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
         out = self._emit_aborts(_Emitter())
-        verified = []
-        for i, row in enumerate(plan.rows):
-            if not self.scheduler.is_current(row):
-                self.num_discarded_rows += 1  # finished, aborted or preempted after launch
-                continue
-            tokens = result.token_ids[i, :result.num_emitted[i]]
-            reason = FinishReason(int(result.finish_reason[i]))
-            if not row.is_prefill and result.is_valid[i]:
-                verified.append(i)
-                self._count_acceptance(row.request, int(result.num_accepted[i]))
-            self.scheduler.commit(row, tokens.tolist(), reason)
-            if tokens.shape[0] or reason is not FinishReason.NONE:
-                width = row.request.params.logprobs
-                lp = _row_logprobs(result, i, tokens.shape[0], width)
-                out.add(row.request.request_id, tokens, reason, -1 if width is None else width, lp,
-                        row.request)
+        verified = [i for i, row in enumerate(plan.rows) if self._apply_row(row, result, i, out)]
         self.acceptance.observe(result.num_accepted[verified])
         return out.build(result.step_id)
+
+    def _apply_row(self, row: ScheduledRow, result: StepResult, i: int, out: _Emitter) -> bool:
+        """Commit row i's tokens; True if it was a verified decode window."""
+        if not self.scheduler.is_current(row):
+            self.num_discarded_rows += 1  # finished, aborted or preempted after launch
+            return False
+        request = row.request
+        tokens = result.token_ids[i, :result.num_emitted[i]]
+        reason = FinishReason(int(result.finish_reason[i]))
+        is_verified = not row.is_prefill and bool(result.is_valid[i])
+        if is_verified:
+            self._count_acceptance(request, int(result.num_accepted[i]))
+        self.scheduler.commit(row, tokens.tolist(), reason)
+        if tokens.shape[0] or reason is not FinishReason.NONE:
+            width = request.params.logprobs
+            out.add(request.request_id, tokens, reason, -1 if width is None else width,
+                    _row_logprobs(result, i, tokens.shape[0], width), request)
+        return is_verified
 
     def _count_acceptance(self, request: Request, num_accepted: int) -> None:
         request.num_draft_tokens += self.config.scheduler.num_speculative_tokens
