@@ -1,0 +1,34 @@
+"""Tensor parallelism: two ranks with sliced weights give the same logits as one rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model_fixtures import make_model
+from mtpserve.model.checkpoint import save_checkpoint
+
+WORKER = Path(__file__).resolve().parent / "tp_worker.py"
+
+
+def test_two_ranks_match_one_rank(tmp_path):
+    save_checkpoint(make_model(seed=11, vocab_size=98), tmp_path / "model")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "model"), str(tmp_path / "tp1.npy")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr[-2000:]
+    launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--log_dir", str(tmp_path / "logs"), str(WORKER), str(tmp_path / "model"), str(tmp_path / "tp2.npy")]
+    double = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=180)
+    if double.returncode != 0:
+        logs = "".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").glob("*")) if p.is_file())
+        pytest.fail(f"tp=2 launch failed: {double.stderr[-1500:]}\n{logs}")
+    assert (tmp_path / "tp2.world").read_text() == "2"
+    one, two = np.load(tmp_path / "tp1.npy"), np.load(tmp_path / "tp2.npy")
+    assert one.shape == two.shape == (28, 98)
+    np.testing.assert_allclose(two, one, rtol=0, atol=1e-4 * np.abs(one).max())
