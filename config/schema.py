@@ -62,6 +62,23 @@ class IpcConfig:
     runtime_dir: str = key("", "directory for sockets and ownership records; empty: "
                            "$RUNTIME_DIRECTORY, else /tmp/mtpserve-<uid>")
     instance: str = key("", "instance name keying the IPC objects; empty: derived from the port")
+    payload: str = key("ring", "how frames larger than one queue message travel: a shared-memory "
+                       "ring with descriptors on the queue, or chunks on the queue",
+                       choices=("ring", "chunked"), flag="--ipc-payload")
+    ring_bytes: int = key(4 << 20, "size of the shared-memory ring (bytes)", min=64 << 10,
+                          flag="--ipc-ring-bytes")
+    max_msg_bytes: int = key(8192, "bytes per queue message (the stock kernel limit)", min=512,
+                             flag="--ipc-max-msg-bytes")
+    queue_depth: int = key(10, "POSIX queue depth in messages (the stock kernel limit)", min=1,
+                           flag="--ipc-queue-depth")
+    max_pending_bytes: int = key(64 << 20, "output frames the engine may hold while the reader is "
+                                 "behind; past it the engine fails loudly (bytes)", min=1 << 20,
+                                 flag="--ipc-max-pending-bytes")
+    reader_max_buffered: int = key(64, "decoded frames the HTTP reader holds before it stops "
+                                   "receiving (back-pressure reaches the engine)", min=1,
+                                   flag="--ipc-reader-max-buffered")
+    liveness_interval: float = key(0.5, "seconds between the reader's checks that the channel "
+                                   "still exists", min=0.01, flag="--ipc-liveness-interval")
 
 
 @dataclass(frozen=True)
