@@ -2,10 +2,13 @@
 
 1. Resolve this instance's runtime directory (0700) and write the validated configuration there as JSON
    (children read it back typed; nothing is re-parsed or re-validated differently in a child).
-2. Start rank processes 0..N-1, then the HTTP process. The HTTP process waits for rank 0's EngineReady
+2. Create the output channel (queue + shared-memory ring, 0600, keyed by the instance name; stale
+   objects of a dead instance with the same name are removed first). The launcher owns it: the engine
+   and the HTTP process attach, and the launcher removes it on the way out, however the children ended.
+3. Start rank processes 0..N-1, then the HTTP process. The HTTP process waits for rank 0's EngineReady
    on the request channel and answers 503 on /health until then.
-3. Supervise: if any child exits on its own, the instance is down: stop the others and exit non-zero.
-4. On SIGTERM or SIGINT: forward SIGTERM to the HTTP process (it drains), then stop the ranks; a second
+4. Supervise: if any child exits on its own, the instance is down: stop the others and exit non-zero.
+5. On SIGTERM or SIGINT: forward SIGTERM to the HTTP process (it drains), then stop the ranks; a second
    signal stops everything at once. Remove the runtime directory on the way out.
 Children die with the launcher: each sets PR_SET_PDEATHSIG and also watches its parent pid.
 """
@@ -24,6 +27,7 @@ import msgspec
 
 from mtpserve import log
 from mtpserve.config import Config
+from mtpserve.ipc.output_channel import OutputChannel
 
 CONFIG_FILE = "config.json"
 STOP_GRACE_S = 10.0
@@ -67,12 +71,21 @@ def serve(config: Config) -> int:
     logger = log.get_logger("mtpserve.launcher")
     directory = runtime_dir(config)
     config_path = write_config(config, directory)
+    channel = create_output_channel(config)
     supervisor = Supervisor(child_commands(config, config_path))
     logger.info("starting", runtime_dir=str(directory), host=config.server.host, port=config.server.port)
     try:
         return supervisor.run(drain_timeout=config.server.drain_timeout)
     finally:
+        channel.remove()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def create_output_channel(config: Config) -> OutputChannel:
+    ipc = config.ipc
+    return OutputChannel.create(instance_name(config), ipc.transport, ring_bytes=ipc.ring_bytes,
+                                max_msg_bytes=ipc.max_msg_bytes, queue_depth=ipc.queue_depth,
+                                chunked=ipc.payload == "chunked")
 
 
 class Supervisor:
