@@ -30,6 +30,7 @@ from mtpserve.config import Config
 from mtpserve.ipc.output_channel import OutputChannel
 
 CONFIG_FILE = "config.json"
+BUNDLED_MODEL = Path(__file__).resolve().parent / "default_model"
 STOP_GRACE_S = 10.0
 
 
@@ -37,6 +38,11 @@ def runtime_dir(config: Config) -> Path:
     """The instance's private directory: sockets, ownership records, the config the children read."""
     base = config.ipc.runtime_dir or os.environ.get("RUNTIME_DIRECTORY") or f"/tmp/mtpserve-{os.getuid()}"
     return Path(base) / instance_name(config)
+
+
+def model_dir(config: Config) -> Path:
+    """The model directory: engine.model, else the bundled default model."""
+    return Path(config.engine.model) if config.engine.model else BUNDLED_MODEL
 
 
 def instance_name(config: Config) -> str:

@@ -1,0 +1,71 @@
+"""A rank process: `python -m mtpserve.engine.rank_main <runtime_dir>/config.json --rank R`.
+
+1. Read the launcher's validated configuration; arrange to die with the launcher; bind rank and
+   instance to every log line.
+2. Load the model and build the engine core; warm it up with one short request so the first client
+   does not pay for first-call allocations.
+3. Attach to the output channel the launcher created, start the request channel and announce
+   EngineReady (the HTTP process waits for it).
+4. Run the rank loop on uvloop until SIGTERM, SIGINT or the launcher's death; an engine error is
+   reported on the output channel (ENGINE_ERROR) before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import uvloop
+
+from mtpserve import log
+from mtpserve.config import Config
+from mtpserve.launcher import instance_name, model_dir, read_config
+from mtpserve.lifecycle import die_with_parent, watch_parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpserve.engine.rank_main", description=__doc__.split("\n")[0])
+    parser.add_argument("config", type=Path, help="config.json written by the launcher")
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    parent = die_with_parent()
+    config = read_config(args.config)
+    log.configure(config.logging.level, config.logging.format, process="rank", rank=args.rank,
+                  instance=instance_name(config))
+    if config.parallel.tensor_parallel_size != 1:
+        log.get_logger("mtpserve.engine").error("tensor parallelism is not available yet")
+        return 2
+    return uvloop.run(serve_rank(config, args.config.resolve().parent, args.rank, parent))
+
+
+async def serve_rank(config: Config, runtime_dir: Path, rank: int, parent: int) -> int:
+    from mtpserve.engine.rank_setup import EngineSetup
+
+    logger = log.get_logger("mtpserve.engine")
+    setup = await EngineSetup.start(config, model_dir(config), runtime_dir, rank)
+    stop = _stop_event(parent)
+    try:
+        await setup.loop.run(stop)
+        return 0
+    except Exception as exc:  # NOTE: anything here is fatal for the instance; say so, then exit
+        logger.exception("engine failed")
+        setup.report_error(f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        await setup.close()
+
+
+def _stop_event(parent: int) -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.create_task(watch_parent(parent, stop.set))
+    return stop
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Everything a rank process holds while it serves: model, engine core, channels, the rank loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpserve import log
+from mtpserve.config import Config
+from mtpserve.engine.engine_core import EngineCore
+from mtpserve.engine.engine_factory import build_model_engine
+from mtpserve.engine.rank_loop import RankLoop
+from mtpserve.engine.request import EngineRequest, SamplingParams
+from mtpserve.ipc import request_channel as rc
+from mtpserve.ipc import wire
+from mtpserve.ipc.output_channel import OutputChannel
+from mtpserve.launcher import instance_name
+from mtpserve.model.loader import load_model
+from mtpserve.ops import OutputSender
+
+WARMUP_PROMPT = (1, 2, 3, 4)
+
+
+@dataclass
+class EngineSetup:
+    core: EngineCore
+    output: OutputChannel
+    sender: OutputSender
+    channel: rc.RequestChannelServer
+    loop: RankLoop
+
+    @classmethod
+    async def start(cls, config: Config, model_dir: Path, runtime_dir: Path, rank: int) -> EngineSetup:
+        logger = log.get_logger("mtpserve.engine")
+        model = load_model(model_dir)
+        core = build_core(model, config)
+        warm_up(core)
+        output = OutputChannel.attach(instance_name(config))
+        sender = OutputSender(output.address, rank=rank, vocab_size=core.runner.vocab_size,
+                              max_pending_bytes=config.ipc.max_pending_bytes)
+        channel = await rc.RequestChannelServer.start(runtime_dir)
+        channel.set_ready(engine_ready(core, model_dir, config, instance_name(config)))
+        logger.info("engine ready", model=str(model_dir), kv_blocks=core.config.scheduler.num_blocks,
+                    num_speculative_tokens=core.config.scheduler.num_speculative_tokens)
+        return cls(core, output, sender, channel, RankLoop(core, channel, sender))
+
+    def report_error(self, message: str) -> None:
+        self.sender.send_control(wire.ControlCode.ENGINE_ERROR, message[:1024])
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.sender.close()
+        self.output.close()
+        self.core.close()
+
+
+def build_core(model, config: Config) -> EngineCore:
+    e = config.engine
+    return build_model_engine(
+        model, num_speculative_tokens=config.speculative.num_speculative_tokens,
+        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        max_prefill_chunk=e.max_prefill_chunk,
+        block_size=e.block_size, num_kv_blocks=e.num_kv_blocks, kv_cache_mb=e.kv_cache_mb,
+        max_model_len=e.max_model_len, enable_overlap=e.enable_overlap, seed=e.seed)
+
+
+def warm_up(core: EngineCore) -> None:
+    """One short greedy request end to end, results discarded."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    core.add_request(EngineRequest(-1, WARMUP_PROMPT, params))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def engine_ready(core: EngineCore, model_dir: Path, config: Config, output: str) -> rc.EngineReady:
+    sched = core.config.scheduler
+    return rc.EngineReady(
+        model_name=config.server.served_model_name or model_dir.resolve().name,
+        max_model_len=sched.max_model_len, vocab_size=core.runner.vocab_size,
+        eos_token_ids=list(core.config.eos_token_ids),
+        num_speculative_tokens=sched.num_speculative_tokens, num_kv_blocks=sched.num_blocks,
+        kv_block_size=sched.block_size, output_channel=output)
