@@ -27,7 +27,7 @@ import msgspec
 
 from mtpserve import log
 from mtpserve.config import Config
-from mtpserve.ipc.output_channel import OutputChannel
+from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel
 
 CONFIG_FILE = "config.json"
 BUNDLED_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -77,7 +77,11 @@ def serve(config: Config) -> int:
     logger = log.get_logger("mtpserve.launcher")
     directory = runtime_dir(config)
     config_path = write_config(config, directory)
-    channel = create_output_channel(config)
+    try:
+        channel = create_output_channel(config)
+    except (ChannelBusyError, OSError) as exc:
+        logger.error("cannot create the output channel", error=str(exc))
+        return 1
     supervisor = Supervisor(child_commands(config, config_path))
     logger.info("starting", runtime_dir=str(directory), host=config.server.host, port=config.server.port)
     try:
