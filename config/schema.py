@@ -31,6 +31,8 @@ class ServerConfig:
                                 min=0, max=20)
     drain_timeout: float = key(30.0, "seconds in-flight requests may run after SIGTERM", min=0.0)
     engine_ready_timeout: float = key(600.0, "seconds to wait for the engine at start", min=1.0)
+    heartbeat_timeout: float = key(3.0, "seconds without an engine heartbeat (sent every 0.5 s) "
+                                   "before /health turns 503 and the watchdog pings stop", min=1.0)
 
 
 @dataclass(frozen=True)
