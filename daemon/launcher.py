@@ -10,6 +10,7 @@
 4. Supervise: if any child exits on its own, the instance is down: stop the others and exit non-zero.
 5. On SIGTERM or SIGINT: forward SIGTERM to the HTTP process (it drains), then stop the ranks; a second
    signal stops everything at once. Remove the runtime directory on the way out.
+Under systemd (Type=notify) the launcher sends READY=1, WATCHDOG=1 and STOPPING=1 (daemon/readiness.py).
 Children die with the launcher: each sets PR_SET_PDEATHSIG and also watches its parent pid.
 """
 
@@ -28,6 +29,8 @@ import msgspec
 from mtpserve import log
 from mtpserve.config import Config
 from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel
+from mtpserve.notify import Notifier
+from mtpserve.readiness import Readiness, health_url
 
 CONFIG_FILE = "config.json"
 BUNDLED_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -82,7 +85,8 @@ def serve(config: Config) -> int:
     except (ChannelBusyError, OSError) as exc:
         logger.error("cannot create the output channel", error=str(exc))
         return 1
-    supervisor = Supervisor(child_commands(config, config_path))
+    readiness = Readiness(Notifier(), health_url(config))
+    supervisor = Supervisor(child_commands(config, config_path), readiness)
     logger.info("starting", runtime_dir=str(directory), host=config.server.host, port=config.server.port)
     try:
         return supervisor.run(drain_timeout=config.server.drain_timeout)
@@ -101,8 +105,9 @@ def create_output_channel(config: Config) -> OutputChannel:
 class Supervisor:
     """Owns the child processes; `run()` returns the launcher's exit status."""
 
-    def __init__(self, commands: list[tuple[str, list[str]]]) -> None:
+    def __init__(self, commands: list[tuple[str, list[str]]], readiness: Readiness) -> None:
         self.commands = commands
+        self.readiness = readiness
         self.children: dict[str, subprocess.Popen] = {}
         self.stopping = 0  # signals received
         self.logger = log.get_logger("mtpserve.launcher")
@@ -118,6 +123,8 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stopping += 1
+        if self.stopping == 1:
+            self.readiness.stopping()
         self.logger.info("signal", signal=signal.Signals(signum).name, count=self.stopping)
         if self.stopping > 1:
             self._kill_all()
@@ -129,6 +136,7 @@ class Supervisor:
                 if child.poll() is not None:
                     self.logger.error("child exited", child=name, status=child.returncode)
                     return name
+            self.readiness.tick()
             time.sleep(0.1)
         return None
 
