@@ -81,6 +81,16 @@ async def stream_events(session: aiohttp.ClientSession, url: str, body: dict,
     return events
 
 
+async def streams_in_flight(session: aiohttp.ClientSession, daemon: Daemon, n: int,
+                            max_tokens: int) -> list[asyncio.Task]:
+    """n streaming completions, returned once each has delivered its first event."""
+    started = [asyncio.Event() for _ in range(n)]
+    tasks = [asyncio.create_task(stream_events(session, daemon.url, completion(max_tokens, True), s))
+             for s in started]
+    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+    return tasks
+
+
 def finish_reason(events: list) -> str | None:
     reasons = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])
                if c.get("finish_reason")]
@@ -128,10 +138,7 @@ async def test_drain_lets_in_flight_streams_finish(tmp_path):
     await asyncio.to_thread(daemon.wait_healthy)
     try:
         async with aiohttp.ClientSession() as session:
-            started = [asyncio.Event() for _ in range(8)]
-            streams = [asyncio.create_task(stream_events(session, daemon.url, completion(48, True), s))
-                       for s in started]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            streams = await streams_in_flight(session, daemon, 8, max_tokens=48)
             t0 = time.monotonic()
             daemon.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -151,10 +158,7 @@ async def test_zero_drain_ends_streams_with_an_error_event(tmp_path):
     await asyncio.to_thread(daemon.wait_healthy)
     try:
         async with aiohttp.ClientSession() as session:
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(stream_events(session, daemon.url, completion(3000, True), s))
-                       for s in started]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            streams = await streams_in_flight(session, daemon, 4, max_tokens=3000)
             t0 = time.monotonic()
             daemon.proc.send_signal(signal.SIGTERM)
             results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
