@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -23,9 +24,11 @@ from pathlib import Path
 import pytest
 
 BUNDLED = Path(__file__).resolve().parents[2] / "daemon" / "default_model"
+MODEL = Path(os.environ.get("MTPSERVE_ENGINE_MODEL") or BUNDLED)  # what `mtpserve serve` will load
 READY = (importlib.util.find_spec("mtpserve.engine.rank_main") is not None
-         and any(BUNDLED.glob("*.safetensors")) and (BUNDLED / "tokenizer.json").exists())
-pytestmark = pytest.mark.skipif(not READY, reason="needs mtpserve.engine.rank_main and the bundled weights")
+         and any(MODEL.glob("*.safetensors")) and (MODEL / "tokenizer.json").exists())
+pytestmark = pytest.mark.skipif(not READY, reason="needs the rank process and model weights (bundled, or "
+                                "MTPSERVE_ENGINE_MODEL)")
 
 
 def _free_port() -> int:
