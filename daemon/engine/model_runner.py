@@ -20,7 +20,7 @@ from mtpserve.engine.mtp_proposer import MTPProposer
 from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window
-from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy
+from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
@@ -159,10 +159,14 @@ class PaddleModelRunner:
 
     def _greedy(self, plan: StepPlan, greedy: paddle.Tensor, drafts: np.ndarray) -> Verified:
         """greedy: [B, k+1] argmax per verify row."""
+        target = greedy.numpy()
         if self.num_speculative_tokens == 0:
-            return self._finish_verify(plan, greedy[:, 0].numpy(), None)
-        verified = verify_greedy(greedy, paddle.to_tensor(drafts))
-        return self._finish_verify(plan, greedy[:, 0].numpy(), verified)
+            return self._finish_verify(plan, target[:, 0], None)
+        tokens, accepted = verify_greedy_numpy(target, drafts)
+        pre = plan.is_prefill
+        tokens[pre] = -1
+        tokens[pre, 0] = target[pre, 0]
+        return Verified(tokens, np.where(pre, 1, accepted + 1), np.where(pre, 0, accepted))
 
     def _finish_verify(self, plan: StepPlan, first: np.ndarray, res: VerifyResult | None) -> Verified:
         """Prefill rows (and every row when k = 0) emit their plain draw `first` [B]."""

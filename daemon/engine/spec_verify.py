@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import paddle
 
 from mtpserve.engine.sampler import draw
@@ -70,6 +71,15 @@ def verify_greedy(target_ids: paddle.Tensor, draft_ids: paddle.Tensor) -> Verify
     k = draft_ids.shape[1]
     n = accepted_prefix(draft_ids == target_ids[:, :k])
     return emit(target_ids, draft_ids, n)
+
+
+def verify_greedy_numpy(target_ids: np.ndarray, draft_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`verify_greedy` on host arrays, for a CPU device where a dozen tiny Paddle ops cost more than
+    the work. target_ids: [B, k+1], draft_ids: [B, k] -> token_ids [B, k+1] (-1 padded), num_accepted [B]."""
+    k = draft_ids.shape[1]
+    num_accepted = np.cumprod(draft_ids == target_ids[:, :k], axis=1).sum(axis=1)
+    keep = np.arange(k + 1)[None, :] <= num_accepted[:, None]
+    return np.where(keep, target_ids, -1), num_accepted
 
 
 def verify_sampled(probs: paddle.Tensor, draft_ids: paddle.Tensor, draft_probs: paddle.Tensor | None,

@@ -11,7 +11,7 @@ from chi_square import chi2_sf
 from mtpserve.engine import rng as counter_rng
 from mtpserve.engine.sampler import draw
 from mtpserve.engine.spec_verify import (accept_coins, accepted_prefix, emit, residual, verify,
-                                         verify_greedy, verify_sampled)
+                                         verify_greedy, verify_greedy_numpy, verify_sampled)
 
 V, K, SAMPLES = 8, 3, 100_000
 # NOTE: alpha 3 makes targets and drafts overlap (~75% acceptance), so ~3x SAMPLES rows reach the
@@ -121,3 +121,12 @@ def test_mixed_batch_picks_greedy_or_sampled_per_row():
     got = mixed.token_ids.numpy()
     assert (got[0::2] == greedy.token_ids.numpy()[0::2]).all()
     assert (got[1::2] == sampled.token_ids.numpy()[1::2]).all()
+
+
+def test_numpy_greedy_verify_matches_the_paddle_one():
+    gen = np.random.default_rng(0)
+    target = gen.integers(0, 3, size=(200, 4))
+    drafts = np.where(gen.random((200, 3)) < 0.7, target[:, :3], gen.integers(0, 3, size=(200, 3)))
+    ref = verify_greedy(paddle.to_tensor(target), paddle.to_tensor(drafts))
+    tokens, accepted = verify_greedy_numpy(target, drafts)
+    assert (tokens == ref.token_ids.numpy()).all() and (accepted == ref.num_accepted.numpy()).all()
