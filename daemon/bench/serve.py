@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, send_request
-from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, summarize
+from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, plot_compare, summarize
 
 CHARS_PER_TOKEN = 3.5  # code under a small byte-level BPE; prompt lengths are approximate
 
@@ -52,12 +52,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("serve-bench.json"))
     p.add_argument("--plot-dir", type=Path, default=None, help="PNG plots here (default: next to --out)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compare", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="do not run: plot these earlier --out files side by side (label = file stem) into "
+                   "serve-compare.png in --plot-dir")
     p.add_argument("--server-pid", type=int, default=None,
                    help="also report this local process's CPU time per streamed token (Linux /proc)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        reports = {path.stem: json.loads(path.read_text()) for path in args.compare}
+        print(f"plot: {plot_compare(reports, (args.plot_dir or Path('.')) / 'serve-compare.png')}")
+        return 0
     report = asyncio.run(run_all(args))
     args.out.write_text(json.dumps(report, indent=2))
     print(f"JSON: {args.out}")

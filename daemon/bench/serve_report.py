@@ -117,3 +117,30 @@ def _plot_latency(plt, runs: list[dict], xs: list, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_compare(reports: dict[str, dict], path: Path) -> str | None:
+    """Several runs' JSON (label -> report) side by side: throughput and TPOT/TTFT vs concurrency."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for (label, report), color in zip(reports.items(), [f"C{i}" for i in range(10)]):
+        xs = [r["concurrency"] for r in report["runs"]]
+        left.plot(xs, [r["summary"]["output_throughput"] for r in report["runs"]], "o-", color=color, label=label)
+        right.plot(xs, [r["summary"]["tpot_ms"]["p50"] for r in report["runs"]], "o-", color=color,
+                   label=f"{label} TPOT p50")
+        right.plot(xs, [r["summary"]["ttft_ms"]["p50"] for r in report["runs"]], "x:", color=color,
+                   label=f"{label} TTFT p50")
+    left.set(xscale="log", xlabel="concurrency", ylabel="output tokens / s", title="throughput")
+    right.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency")
+    left.legend(fontsize=8)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -41,3 +41,14 @@ def test_prompts_are_deterministic(tmp_path):
     a = _args("http://x", tmp_path)
     assert serve.make_prompts(a) == serve.make_prompts(a)
     assert len(serve.make_prompts(a)) == 8
+
+
+def test_compare_plots_earlier_runs(tmp_path):
+    report = {"runs": [{"concurrency": c, "summary": {"output_throughput": 10.0 * c, "tpot_ms": {"p50": 5.0},
+                                                      "ttft_ms": {"p50": 20.0 * c}}} for c in (1, 4)]}
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    args = _args("http://unused", tmp_path, "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                 "--plot-dir", str(tmp_path / "plots"))
+    assert serve.run(args) == 0
+    assert (tmp_path / "plots" / "serve-compare.png").stat().st_size > 1000
