@@ -22,16 +22,10 @@ import uvloop
 from aiohttp import web
 
 from mtpserve.config import Config
+from mtpserve.launcher import model_dir
 from mtpserve.server.app import OpenOutput, make_app
 from mtpserve.server.context import CONTEXT, HttpSettings
 from mtpserve.server.text_model import TextModel
-
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "default_model"
-
-
-def model_dir(config: Config) -> Path:
-    return Path(config.engine.model) if config.engine.model else BUNDLED_MODEL
-
 
 def settings_from(config: Config) -> HttpSettings:
     s = config.server
