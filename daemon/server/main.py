@@ -5,7 +5,8 @@ starts this process with its path; the request channel's socket lives in the sam
 1. read the config, 2. load the tokenizer and chat template (no paddle), 3. build the app,
 4. serve on uvloop until SIGTERM/SIGINT, 5. drain: keep listening, answer /health and new requests
    with 503 (a load balancer stops routing here) while the streams in flight finish, for at most
-   `server.drain_timeout` seconds, 6. close (whatever is left is cancelled, which aborts it).
+   `server.drain_timeout` seconds, 6. end what is left with an error (streams: an SSE error event
+   and [DONE]; their engine requests are aborted), 7. close.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from mtpserve.config import Config
 from mtpserve.launcher import model_dir
 from mtpserve.server.app import OpenOutput, make_app
 from mtpserve.server.context import CONTEXT, HttpSettings
+from mtpserve.server.errors import ApiError
 from mtpserve.server.text_model import TextModel
+from mtpserve.server.tracker import Tracker
+
+FAIL_GRACE_S = 2.0  # for handlers to write the shutdown error to their clients
 
 def settings_from(config: Config) -> HttpSettings:
     s = config.server
@@ -58,11 +63,22 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
 
 
 async def drain(app: web.Application, timeout_s: float) -> None:
-    """Refuse new work (503) and wait until no request is in flight, at most timeout_s."""
+    """Refuse new work (503), let in-flight requests finish for at most timeout_s, then end the rest
+    with an error (an SSE error event + [DONE] for streams) so no client sees a cut connection."""
     ctx = app[CONTEXT]
     ctx.health.draining()
+    if ctx.engine is None:
+        return
+    tracker = ctx.engine.tracker
+    await _wait_idle(tracker, timeout_s)
+    if tracker.num_active:
+        tracker.fail_all(ApiError(503, "The server is shutting down.", code="shutting_down"))
+        await _wait_idle(tracker, FAIL_GRACE_S)
+
+
+async def _wait_idle(tracker: Tracker, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while ctx.engine is not None and ctx.engine.tracker.num_active and time.monotonic() < deadline:
+    while tracker.num_active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 
 
