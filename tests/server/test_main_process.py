@@ -72,7 +72,7 @@ async def test_drain_timeout_ends_streams_with_an_error_event(tmp_path, model_di
     try:
         await _wait_listening(base_url)
         await wait_healthy(base_url)
-        body = {"model": MODEL_NAME, "prompt": "import math\n", "max_tokens": 3000, "stream": True}
+        body = {"model": MODEL_NAME, "prompt": "import math\n", "max_tokens": 450, "stream": True}
         async with aiohttp.ClientSession() as session:
             async with session.post(base_url + "/v1/completions", json=body) as resp:
                 first = await resp.content.readline()
