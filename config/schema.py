@@ -29,6 +29,10 @@ class ServerConfig:
     max_body_bytes: int = key(1 << 20, "largest request body accepted; larger gets 413", min=1024)
     max_top_logprobs: int = key(20, "largest top_logprobs / logprobs width a request may ask for",
                                 min=0, max=20)
+    max_n: int = key(16, "largest `n` (choices per request) a request may ask for", min=1, max=256)
+    max_stop_strings: int = key(16, "most stop strings per request", min=0, max=256)
+    max_prompts_per_request: int = key(64, "most prompts in one completions request", min=1,
+                                       max=4096)
     drain_timeout: float = key(30.0, "seconds in-flight requests may run after SIGTERM", min=0.0)
     engine_ready_timeout: float = key(600.0, "seconds to wait for the engine at start", min=1.0)
     heartbeat_timeout: float = key(3.0, "seconds without an engine heartbeat (sent every 0.5 s) "

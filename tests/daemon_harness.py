@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpserve.ipc.output_channel import remove_stale
+
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "daemon" / "default_model"
 
@@ -69,11 +71,14 @@ class Daemon:
             self.kill_everything()
 
     def kill_everything(self) -> None:
+        """SIGKILL what is left, then remove the IPC objects a killed launcher could not."""
         for pid in [self.proc.pid, *self.children]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        wait_until(lambda: not [p for p in [self.proc.pid, *self.children] if pid_alive(p)], 5)
+        remove_stale(self.instance)
 
     def leftovers(self) -> list[str]:
         """Processes, shared memory, queues and runtime files this instance left behind."""

@@ -72,7 +72,8 @@ async def _connect(ctx: ServerContext, runtime_dir: Path, open_output: OpenOutpu
         return
     s = ctx.settings
     ctx.limits = RequestLimits(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_n=s.max_n,
-                               max_stop_strings=s.max_stop_strings, max_top_logprobs=s.max_top_logprobs)
+                               max_stop_strings=s.max_stop_strings, max_prompts=s.max_prompts,
+                               max_top_logprobs=s.max_top_logprobs)
     ctx.engine = EngineClient(channel, output, ready, ctx.text, ctx.metrics, ctx.health, s.max_concurrent_requests)
     ctx.engine.start()
     log.info("engine ready", model=ready.model_name, max_model_len=ready.max_model_len)

@@ -26,6 +26,7 @@ class HttpSettings:
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_n: int = 16
     max_stop_strings: int = 16
+    max_prompts: int = 64
     engine_ready_timeout: float = 600.0
     heartbeat_timeout: float = 10.0
 

@@ -38,7 +38,8 @@ def settings_from(config: Config) -> HttpSettings:
         model_name=s.served_model_name or model_dir(config).resolve().name, api_key=s.api_key,
         max_concurrent_requests=s.max_concurrent_requests, max_body_bytes=s.max_body_bytes,
         max_top_logprobs=s.max_top_logprobs, engine_ready_timeout=s.engine_ready_timeout,
-        heartbeat_timeout=s.heartbeat_timeout)
+        heartbeat_timeout=s.heartbeat_timeout, max_n=s.max_n, max_stop_strings=s.max_stop_strings,
+        max_prompts=s.max_prompts_per_request)
 
 
 def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:
