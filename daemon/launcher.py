@@ -28,6 +28,7 @@ import msgspec
 
 from mtpserve import log
 from mtpserve.config import Config
+from mtpserve.engine.tp_env import local_ranks, rank_environment
 from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel
 from mtpserve.notify import Notifier
 from mtpserve.readiness import Readiness, health_url
@@ -67,11 +68,14 @@ def read_config(path: str | os.PathLike) -> Config:
     return msgspec.json.decode(Path(path).read_bytes(), type=Config)
 
 
-def child_commands(config: Config, config_path: Path) -> list[tuple[str, list[str]]]:
-    python = sys.executable
-    ranks = [(f"rank{r}", [python, "-m", "mtpserve.engine.rank_main", str(config_path), "--rank", str(r)])
-             for r in range(config.parallel.tensor_parallel_size)]
-    return [*ranks, ("http", [python, "-m", "mtpserve.server.main", str(config_path)])]
+def child_commands(config: Config, config_path: Path) -> list[tuple[str, list[str], dict | None]]:
+    """This host's ranks (each with the collective runtime's environment); the HTTP process on node 0."""
+    python, parallel = sys.executable, config.parallel
+    ranks = [(f"rank{r}", [python, "-m", "mtpserve.engine.rank_main", str(config_path), "--rank", str(r)],
+              {**os.environ, **rank_environment(parallel, r)} if parallel.tensor_parallel_size > 1 else None)
+             for r in local_ranks(parallel)]
+    http = [("http", [python, "-m", "mtpserve.server.main", str(config_path)], None)]
+    return ranks + (http if parallel.node_rank == 0 else [])
 
 
 def serve(config: Config) -> int:
@@ -105,7 +109,7 @@ def create_output_channel(config: Config) -> OutputChannel:
 class Supervisor:
     """Owns the child processes; `run()` returns the launcher's exit status."""
 
-    def __init__(self, commands: list[tuple[str, list[str]]], readiness: Readiness) -> None:
+    def __init__(self, commands: list[tuple[str, list[str], dict | None]], readiness: Readiness) -> None:
         self.commands = commands
         self.readiness = readiness
         self.children: dict[str, subprocess.Popen] = {}
@@ -115,8 +119,8 @@ class Supervisor:
     def run(self, drain_timeout: float) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        for name, argv in self.commands:
-            self.children[name] = subprocess.Popen(argv, start_new_session=False)
+        for name, argv, env in self.commands:
+            self.children[name] = subprocess.Popen(argv, env=env, start_new_session=False)
         failed = self._wait_for_exit_or_signal()
         status = self._stop(drain_timeout if not failed else 0.0)
         return 1 if failed else status

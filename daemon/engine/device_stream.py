@@ -31,10 +31,12 @@ class DeviceStream:
         with self._lock:
             return self._busy
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the submitted work; with `timeout`, give up waiting (a step stuck in a
+        collective with a dead peer never returns, and the thread is a daemon)."""
         if self._thread.is_alive():
             self._work.put(None)
-            self._thread.join()
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:

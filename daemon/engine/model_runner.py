@@ -52,7 +52,8 @@ class PaddleModelRunner:
             raise ValueError("num_speculative_tokens > 0 needs a model with MTP layers")
         self.model, self.config = model, config
         self.vocab_size, self.num_speculative_tokens = mc.vocab_size, k
-        kv_args = (config.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim, config.kv_dtype)
+        kv_heads = mc.num_key_value_heads // model.tp.size  # NOTE: each rank caches its own heads only
+        kv_args = (config.num_blocks, config.block_size, kv_heads, mc.head_dim, config.kv_dtype)
         self.kv = KVCache.allocate(mc.num_hidden_layers, *kv_args)
         self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
         self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
@@ -185,7 +186,8 @@ def kv_blocks_for_budget(model: MiMoForCausalLM, block_size: int, num_speculativ
     """How many KV blocks fit in `budget_mb`: K and V of every main layer plus one layer per MTP depth."""
     mc = model.config
     layers = mc.num_hidden_layers + num_speculative_tokens
-    per_block = 2 * layers * block_size * mc.num_key_value_heads * mc.head_dim * dtype_bytes
+    kv_heads = mc.num_key_value_heads // model.tp.size
+    per_block = 2 * layers * block_size * kv_heads * mc.head_dim * dtype_bytes
     return max(1, (budget_mb << 20) // per_block - 1)  # NOTE: -1: KVCache adds a scratch block
 
 

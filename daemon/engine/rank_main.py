@@ -6,6 +6,9 @@
    does not pay for first-call allocations.
 3. Attach to the output channel the launcher created, start the request channel and announce
    EngineReady (the HTTP process waits for it).
+   With tensor_parallel_size > 1 every rank first joins the collective group (environment from
+   daemon/engine/tp_env.py); ranks >= 1 then only load their shard and run rank 0's step plans
+   (daemon/engine/tp_follower.py): rank 0 alone schedules, talks to the HTTP process and emits.
 4. Run the rank loop on uvloop until SIGTERM, SIGINT or the launcher's death; an engine error is
    reported on the output channel (ENGINE_ERROR) before the process exits non-zero.
 """
@@ -35,18 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     config = read_config(args.config)
     log.configure(config.logging.level, config.logging.format, process="rank", rank=args.rank,
                   instance=instance_name(config))
-    if config.parallel.tensor_parallel_size != 1:
-        log.get_logger("mtpserve.engine").error("tensor parallelism is not available yet")
-        return 2
     return uvloop.run(serve_rank(config, args.config.resolve().parent, args.rank, parent))
 
 
 async def serve_rank(config: Config, runtime_dir: Path, rank: int, parent: int) -> int:
     from mtpserve.engine.rank_setup import EngineSetup
+    from mtpserve.engine.tp_group import join_group
 
     logger = log.get_logger("mtpserve.engine")
-    setup = await EngineSetup.start(config, model_dir(config), runtime_dir, rank)
     stop = _stop_event(parent)
+    tp = join_group(rank, config.parallel.tensor_parallel_size)
+    if rank > 0:
+        from mtpserve.engine.tp_follower import serve_follower
+
+        return await serve_follower(config, model_dir(config), tp, stop)
+    setup = await EngineSetup.start(config, model_dir(config), runtime_dir, rank, tp)
     try:
         await setup.loop.run(stop)
         return 0

@@ -16,6 +16,7 @@ from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.launcher import instance_name
 from mtpserve.model.loader import load_model
+from mtpserve.model.parallel import SINGLE, TensorParallel
 from mtpserve.ops import OutputSender
 
 WARMUP_PROMPT = (1, 2, 3, 4)
@@ -30,10 +31,11 @@ class EngineSetup:
     loop: RankLoop
 
     @classmethod
-    async def start(cls, config: Config, model_dir: Path, runtime_dir: Path, rank: int) -> EngineSetup:
+    async def start(cls, config: Config, model_dir: Path, runtime_dir: Path, rank: int,
+                    tp: TensorParallel = SINGLE) -> EngineSetup:
         logger = log.get_logger("mtpserve.engine")
-        model = load_model(model_dir)
-        core = build_core(model, config)
+        model = load_model(model_dir, tp)
+        core = build_core(model, config, tp)
         warm_up(core)
         output = OutputChannel.attach(instance_name(config))
         sender = OutputSender(output.address, rank=rank, vocab_size=core.runner.vocab_size,
@@ -51,17 +53,29 @@ class EngineSetup:
         await self.channel.close()
         self.sender.close()
         self.output.close()
-        self.core.close()
+        try:
+            self.core.close()
+        except Exception as exc:  # noqa: BLE001 - a failed step (e.g. a dead peer rank) was reported already
+            log.get_logger("mtpserve.engine").warning("engine close", error=f"{type(exc).__name__}: {exc}")
 
 
-def build_core(model, config: Config) -> EngineCore:
+def build_core(model, config: Config, tp: TensorParallel = SINGLE) -> EngineCore:
+    if tp.size == 1:
+        return build_model_engine(model, **engine_parameters(config))
+    from mtpserve.engine.tp_factory import build_leader_engine
+    from mtpserve.engine.tp_plan_channel import PlanChannel
+
+    return build_leader_engine(model, PlanChannel(tp), **engine_parameters(config))
+
+
+def engine_parameters(config: Config) -> dict:
+    """The configuration tree mapped onto the engine factories' parameters."""
     e = config.engine
-    return build_model_engine(
-        model, num_speculative_tokens=config.speculative.num_speculative_tokens,
-        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-        max_prefill_chunk=e.max_prefill_chunk,
-        block_size=e.block_size, num_kv_blocks=e.num_kv_blocks, kv_cache_mb=e.kv_cache_mb,
-        max_model_len=e.max_model_len, enable_overlap=e.enable_overlap, seed=e.seed)
+    return dict(num_speculative_tokens=config.speculative.num_speculative_tokens,
+                max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                max_prefill_chunk=e.max_prefill_chunk, block_size=e.block_size,
+                num_kv_blocks=e.num_kv_blocks, kv_cache_mb=e.kv_cache_mb,
+                max_model_len=e.max_model_len, enable_overlap=e.enable_overlap, seed=e.seed)
 
 
 def warm_up(core: EngineCore) -> None:

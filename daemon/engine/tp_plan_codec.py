@@ -1,0 +1,75 @@
+"""A StepPlan as bytes for the ranks >= 1: msgspec msgpack (no pickle), arrays as raw buffers.
+
+The plan already is a delta (slot inserts, block-table writes, per-row info), so encoding all of it
+sends only what changed since the previous step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+
+from mtpserve.engine.scheduler import BlockWrite
+from mtpserve.engine.step_plan import SlotInsert, StepPlan
+
+
+class WireArray(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, a: np.ndarray) -> WireArray:
+        a = np.ascontiguousarray(a)
+        return cls(a.dtype.str, a.shape, a.tobytes())
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.dtype(self.dtype)).reshape(self.shape).copy()
+
+
+class WireInsert(msgspec.Struct, array_like=True, frozen=True):
+    scalars: dict[str, float | int]  # every SlotInsert field that is a plain number
+    prompt_ids: WireArray
+    output_ids: WireArray
+    stop_ids: tuple[int, ...]
+
+
+class WirePlan(msgspec.Struct, array_like=True, frozen=True):
+    step_id: int
+    inserts: tuple[WireInsert, ...]
+    block_writes: tuple[tuple[int, int, tuple[int, ...]], ...]  # (slot, first_col, block_ids)
+    arrays: dict[str, WireArray]  # the per-row StepPlan fields
+
+
+_ARRAY_FIELDS = ("slots", "is_prefill", "num_tokens", "start_pos", "emits", "prefill_ids",
+                 "prefill_next_ids")
+_INSERT_ARRAYS = ("prompt_ids", "output_ids", "stop_ids")
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WirePlan)
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    return _ENCODER.encode(WirePlan(
+        step_id=plan.step_id, inserts=tuple(_wire_insert(i) for i in plan.inserts),
+        block_writes=tuple((w.slot, w.first_col, tuple(w.block_ids)) for w in plan.block_writes),
+        arrays={name: WireArray.of(getattr(plan, name)) for name in _ARRAY_FIELDS}))
+
+
+def decode_plan(data: bytes | memoryview) -> StepPlan:
+    wire = _DECODER.decode(data)
+    return StepPlan(step_id=wire.step_id, inserts=tuple(_slot_insert(i) for i in wire.inserts),
+                    block_writes=tuple(BlockWrite(s, c, tuple(b)) for s, c, b in wire.block_writes),
+                    **{name: a.array() for name, a in wire.arrays.items()})
+
+
+def _wire_insert(ins: SlotInsert) -> WireInsert:
+    scalars = {f.name: getattr(ins, f.name) for f in dataclasses.fields(ins) if f.name not in _INSERT_ARRAYS}
+    return WireInsert(scalars, WireArray.of(ins.prompt_ids), WireArray.of(ins.output_ids),
+                      tuple(ins.stop_ids))
+
+
+def _slot_insert(wire: WireInsert) -> SlotInsert:
+    return SlotInsert(prompt_ids=wire.prompt_ids.array(), output_ids=wire.output_ids.array(),
+                      stop_ids=wire.stop_ids, **wire.scalars)
