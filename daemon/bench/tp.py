@@ -1,0 +1,175 @@
+"""`mtpserve bench tp`: decode tokens/s of the model at tensor-parallel size 1 vs N, and what one
+step's communication costs.
+
+For each size, the ranks are started as the launcher starts them (tp_env environment, gloo on a CPU
+host); rank 0 runs the engine closed-loop (greedy, MTP k drafts) on held-out prompts, exactly as
+`bench engine --model`, and reports:
+  - decode tokens/s and mean step time;
+  - plan broadcast time per step (rank 0, the two broadcasts that carry the step plan);
+  - all-reduce latency of one [batch*(k+1), hidden] tensor, and the number of collectives a step
+    issues (2 per decoder/MTP layer, 1 for the embedding, 1 all-gather for the head, per forward),
+    whose product estimates the model's own communication per step.
+On 2 shared cores TP=2 is not expected to be faster: the figure documents the communication cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mtpserve.config import ParallelConfig
+from mtpserve.engine.tp_env import rank_environment
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("tp", help="tensor parallelism: tokens/s at TP=1 vs TP=N, communication per step")
+    p.add_argument("--model", type=Path, required=True, help="model directory")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="requests in flight")
+    p.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("tp-bench.json"), help="JSON results file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = []
+    for batch in args.batch:
+        for size in args.tp:
+            r = measure(args, size, batch)
+            results.append(r)
+            print(f"tp={size}  batch {batch:3d}  k={args.k}  {r['decode_tokens_per_s']:8.1f} decode tok/s  "
+                  f"step {r['step_ms']:6.2f} ms  plan bcast {r['plan_broadcast_ms']:5.2f} ms/step  "
+                  f"all_reduce {r['all_reduce_ms']:5.3f} ms x {r['collectives_per_step']} per step",
+                  flush=True)
+    args.out.write_text(json.dumps({"benchmark": "tp", "model": str(args.model), "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def measure(args: argparse.Namespace, size: int, batch: int) -> dict:
+    """Start `size` ranks of this module as workers; rank 0's JSON line is the result."""
+    parallel = ParallelConfig(tensor_parallel_size=size, master_port=_free_port())
+    spec = json.dumps({"model": str(args.model), "batch": batch, "k": args.k, "prompt_len": args.prompt_len,
+                       "max_tokens": args.max_tokens, "rounds": args.rounds})
+    procs = [subprocess.Popen([sys.executable, "-m", "mtpserve.bench.tp", spec, str(r)],
+                              env={**os.environ, **(rank_environment(parallel, r) if size > 1 else {})},
+                              stdout=subprocess.PIPE, text=True) for r in range(size)]
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"tp={size} batch={batch}: a rank failed")
+    return {"tp": size, **json.loads(outputs[0].strip().splitlines()[-1])}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- a rank -----------------------------------------------------------------------------------
+
+def worker(spec: dict, rank: int, size: int) -> dict | None:
+    from mtpserve.engine.tp_group import join_group
+    from mtpserve.model.loader import load_model
+
+    tp = join_group(rank, size)
+    model = load_model(spec["model"], tp)
+    if rank > 0:
+        return _follow(model, tp, spec)
+    return _lead(model, tp, spec)
+
+
+def _engine_parameters(spec: dict) -> dict:
+    batch, k = spec["batch"], spec["k"]
+    blocks = batch * ((spec["prompt_len"] + spec["max_tokens"]) // 16 + 4) + 16
+    return dict(num_speculative_tokens=k, max_num_seqs=batch, num_kv_blocks=blocks, block_size=16,
+                max_num_batched_tokens=max(1024, batch * spec["prompt_len"]))
+
+
+def _lead(model, tp, spec: dict) -> dict:
+    from mtpserve.bench.engine_model import heldout_prompts
+    from mtpserve.engine.engine_factory import build_model_engine
+    from mtpserve.engine.request import EngineRequest, SamplingParams
+    from mtpserve.engine.tp_factory import build_leader_engine
+    from mtpserve.engine.tp_plan_channel import PlanChannel
+
+    batch, channel = spec["batch"], PlanChannel(tp)
+    core = (build_model_engine(model, **_engine_parameters(spec)) if tp.size == 1
+            else build_leader_engine(model, channel, **_engine_parameters(spec)))
+    prompts = heldout_prompts(Path(spec["model"]), batch * spec["rounds"], spec["prompt_len"], core.runner.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    seconds = tokens = steps = 0
+    for r in range(spec["rounds"]):
+        for i, prompt in enumerate(prompts[r * batch:(r + 1) * batch]):
+            core.add_request(EngineRequest(f"{r}-{i}", prompt, params))
+        s, t, n = _decode_window(core, batch)
+        seconds, tokens, steps = seconds + s, tokens + t, steps + n
+    core.close()
+    rows = batch * (spec["k"] + 1)
+    return {"batch": batch, "k": spec["k"], "decode_tokens_per_s": tokens / seconds,
+            "decode_tokens": tokens, "decode_steps": steps, "step_ms": 1e3 * seconds / max(steps, 1),
+            "plan_broadcast_ms": 1e3 * channel.comm_seconds / max(channel.num_plans, 1),
+            "plan_bytes_per_step": channel.num_bytes / max(channel.num_plans, 1),
+            "all_reduce_ms": _all_reduce_ms(tp, rows, model.config.hidden_size),
+            "collectives_per_step": _collectives_per_step(model, spec["k"]) if tp.size > 1 else 0}
+
+
+def _decode_window(core, batch: int) -> tuple[float, int, int]:
+    """Step until all finish; seconds, tokens and steps from when every request has its first token."""
+    started: set[str] = set()
+    begin, tokens, steps = None, 0, 0
+    while core.has_unfinished_requests():
+        out = core.step()
+        if begin is not None:
+            tokens, steps = tokens + int(out.num_tokens.sum()), steps + 1
+        started.update(rid for rid, n in zip(out.request_ids, out.num_tokens) if n)
+        if begin is None and len(started) == batch:
+            begin = time.perf_counter()
+    return time.perf_counter() - begin, tokens, steps
+
+
+def _follow(model, tp, spec: dict) -> None:
+    from mtpserve.engine.tp_factory import build_follower_runner
+    from mtpserve.engine.tp_plan_channel import PlanChannel
+
+    runner = build_follower_runner(model, PlanChannel(tp), **_engine_parameters(spec))
+    runner.follow().result()
+    runner.close()
+    _all_reduce_ms(tp, spec["batch"] * (spec["k"] + 1), model.config.hidden_size)
+    return None
+
+
+def _all_reduce_ms(tp, rows: int, hidden: int, n: int = 200) -> float:
+    """Latency of one all-reduce of a [rows, hidden] float32 tensor (every rank calls this)."""
+    if tp.size == 1:
+        return 0.0
+    import paddle
+
+    x = paddle.ones([rows, hidden], dtype="float32")
+    tp.all_reduce(x)
+    start = time.perf_counter()
+    for _ in range(n):
+        tp.all_reduce(x)
+    return 1e3 * (time.perf_counter() - start) / n
+
+
+def _collectives_per_step(model, k: int) -> int:
+    """Main forward: embedding + 2 per layer + head; each MTP depth: embedding + 2 + head."""
+    main = 1 + 2 * model.config.num_hidden_layers + 1
+    return main + k * (1 + 2 + 1)
+
+
+if __name__ == "__main__":
+    spec_arg, rank_arg = json.loads(sys.argv[1]), int(sys.argv[2])
+    result = worker(spec_arg, rank_arg, int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
+    if result is not None:
+        print(json.dumps(result), flush=True)
