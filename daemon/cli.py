@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from mtpserve import __version__
 from mtpserve.config import Config, ConfigError, as_toml, iter_keys, load_config
 
-BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve")
+BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve",
+                 "mtpserve.bench.tp")
 EXIT_CONFIG = 2
 
 
