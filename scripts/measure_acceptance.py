@@ -185,8 +185,10 @@ def main() -> None:
         result = {"model": str(args.model), "k": args.k, "prompts": len(prompts), "prompt_len": args.prompt_len,
                   "max_new": args.max_new, **summarize(seqs, args.k), "elapsed_s": round(time.time() - t0, 1)}
         if args.check_greedy:
+            t1 = time.time()
             plain = [s for i in range(0, len(prompts), args.batch)
                      for s in decode(model, prompts[i:i + args.batch], 0, args.max_new, tokenizer.eos_token_id)]
+            result["elapsed_plain_greedy_s"] = round(time.time() - t1, 1)
             eos = tokenizer.eos_token_id
             result["identical_to_plain_greedy"] = all(_trim(a, args.max_new, eos) == _trim(b, args.max_new, eos)
                                                       for a, b in zip(seqs, plain))
