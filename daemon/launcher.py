@@ -5,8 +5,9 @@
 2. Create the output channel (queue + shared-memory ring, 0600, keyed by the instance name; stale
    objects of a dead instance with the same name are removed first). The launcher owns it: the engine
    and the HTTP process attach, and the launcher removes it on the way out, however the children ended.
-3. Start rank processes 0..N-1, then the HTTP process. The HTTP process waits for rank 0's EngineReady
-   on the request channel and answers 503 on /health until then.
+3. Start this host's rank processes (0..N-1; with nnodes > 1 this host's slice, each told where the
+   collective group meets: docs/tensor-parallel.md), then, on node 0 only, the HTTP process. The HTTP
+   process waits for rank 0's EngineReady on the request channel and answers 503 on /health until then.
 4. Supervise: if any child exits on its own, the instance is down: stop the others and exit non-zero.
 5. On SIGTERM or SIGINT: forward SIGTERM to the HTTP process (it drains), then stop the ranks; a second
    signal stops everything at once. Remove the runtime directory on the way out.

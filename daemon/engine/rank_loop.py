@@ -8,6 +8,8 @@ One iteration:
   4. emit: the output op packs the step's tokens (and logprobs) and sends them without blocking; while
      frames are pending the loop pauses scheduling and retries (back-pressure, never a drop);
   5. every `stats_interval_s`, an EngineStats heartbeat (the HTTP side's /health and gauges).
+A step still running after `step_timeout_s` (a hung peer rank under tensor parallelism) is fatal:
+StepTimeout, and the process exits without waiting for the stuck device thread.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from mtpserve.ops import OutputSender, SendStatus, StepLogprobs
 BACKPRESSURE_POLL_S = 0.002
 
 
+class StepTimeout(RuntimeError):
+    """A launched step did not finish in time: the device, or a peer rank's collective, is stuck."""
+
+
 def engine_request(msg: rc.AddRequest) -> EngineRequest:
     """The wire's request as the engine's (same field names); ValueError on parameters it refuses."""
     params = SamplingParams(**msgspec.structs.asdict(msg.sampling))
@@ -36,8 +42,9 @@ def engine_request(msg: rc.AddRequest) -> EngineRequest:
 
 class RankLoop:
     def __init__(self, core: EngineCore, channel: rc.RequestChannelServer, sender: OutputSender,
-                 stats_interval_s: float = 0.5) -> None:
+                 stats_interval_s: float = 0.5, step_timeout_s: float | None = None) -> None:
         self.core = core
+        self.step_timeout_s = step_timeout_s  # None: wait for a step forever
         self.channel = channel
         self.sender = sender
         self.stats_interval_s = stats_interval_s
@@ -80,7 +87,10 @@ class RankLoop:
         launched = self.core.launch()
         if not self.core.must_collect(launched):
             return self.core.take_aborted()
-        await asyncio.wrap_future(self.core.oldest_step())
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.core.oldest_step()), self.step_timeout_s)
+        except TimeoutError:
+            raise StepTimeout(f"a step did not finish in {self.step_timeout_s} s") from None
         self.num_steps += 1
         return self.core.collect()
 

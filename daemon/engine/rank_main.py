@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve_rank(config: Config, runtime_dir: Path, rank: int, parent: int) -> int:
+    from mtpserve.engine.rank_loop import StepTimeout
     from mtpserve.engine.rank_setup import EngineSetup
     from mtpserve.engine.tp_group import join_group
 
@@ -53,15 +55,26 @@ async def serve_rank(config: Config, runtime_dir: Path, rank: int, parent: int) 
 
         return await serve_follower(config, model_dir(config), tp, stop)
     setup = await EngineSetup.start(config, model_dir(config), runtime_dir, rank, tp)
+    stuck = False
     try:
         await setup.loop.run(stop)
         return 0
     except Exception as exc:  # NOTE: anything here is fatal for the instance; say so, then exit
         logger.exception("engine failed")
         setup.report_error(f"{type(exc).__name__}: {exc}")
+        stuck = isinstance(exc, StepTimeout)
         return 1
     finally:
-        await setup.close()
+        await setup.close(device_stuck=stuck)
+        if stuck:
+            exit_now(1)  # NOTE: the device thread is blocked (e.g. in a collective with a hung peer)
+
+
+def exit_now(status: int) -> None:
+    """Exit without joining threads or running Paddle's teardown (either may wait on a stuck peer)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _stop_event(parent: int) -> asyncio.Event:

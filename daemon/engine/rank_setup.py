@@ -20,6 +20,7 @@ from mtpserve.model.parallel import SINGLE, TensorParallel
 from mtpserve.ops import OutputSender
 
 WARMUP_PROMPT = (1, 2, 3, 4)
+TP_STEP_TIMEOUT_S = 10.0  # NOTE: a step of a tensor-parallel group waits this long for a hung peer
 
 
 @dataclass
@@ -44,15 +45,19 @@ class EngineSetup:
         channel.set_ready(engine_ready(core, model_dir, config, instance_name(config)))
         logger.info("engine ready", model=str(model_dir), kv_blocks=core.config.scheduler.num_blocks,
                     num_speculative_tokens=core.config.scheduler.num_speculative_tokens)
-        return cls(core, output, sender, channel, RankLoop(core, channel, sender))
+        step_timeout = TP_STEP_TIMEOUT_S if tp.size > 1 else None
+        return cls(core, output, sender, channel, RankLoop(core, channel, sender, step_timeout_s=step_timeout))
 
     def report_error(self, message: str) -> None:
         self.sender.send_control(wire.ControlCode.ENGINE_ERROR, message[:1024])
 
-    async def close(self) -> None:
+    async def close(self, device_stuck: bool = False) -> None:
+        """`device_stuck`: a step never finished; leave the engine core alone (closing it would wait)."""
         await self.channel.close()
         self.sender.close()
         self.output.close()
+        if device_stuck:
+            return
         try:
             self.core.close()
         except Exception as exc:  # noqa: BLE001 - a failed step (e.g. a dead peer rank) was reported already

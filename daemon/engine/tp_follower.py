@@ -10,12 +10,11 @@ shutdown ends with status 0 on every rank; a peer's death ends the follow loop w
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from pathlib import Path
 
 from mtpserve import log
 from mtpserve.config import Config
+from mtpserve.engine.rank_main import exit_now
 from mtpserve.engine.rank_setup import engine_parameters
 from mtpserve.engine.tp_factory import build_follower_runner
 from mtpserve.engine.tp_plan_channel import PlanChannel
@@ -30,23 +29,18 @@ async def serve_follower(config: Config, model_dir: Path, tp: TensorParallel, st
     runner = build_follower_runner(load_model(model_dir, tp), PlanChannel(tp), **engine_parameters(config))
     logger.info("following rank 0", rank=tp.rank, kv_blocks=runner.config.num_blocks)
     follow = asyncio.wrap_future(runner.follow())
-    await asyncio.wait([follow, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([follow, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
     if not follow.done():
         await asyncio.wait([follow], timeout=STOP_WAIT_S)
     if not follow.done():
         logger.error("no stop plan from rank 0 in time")
-        _exit_now(1)
+        exit_now(1)
     if follow.exception() is not None:
         logger.error("follower failed", error=f"{type(follow.exception()).__name__}: {follow.exception()}")
-        _exit_now(1)
+        exit_now(1)
     logger.info("stop plan received", steps=follow.result())
     runner.close()
     return 0
 
-
-def _exit_now(status: int) -> None:
-    """The device thread may be blocked inside a collective with a dead peer: do not wait for it,
-    nor for the runtime's teardown (which would talk to that peer)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
