@@ -12,7 +12,7 @@ import paddle
 
 from mtpserve.model.attention_core import mask_to_bias, masked_attention
 from mtpserve.model.forward_batch import ForwardBatch
-from mtpserve.model.kv_cache import KVCache
+from mtpserve.model.kv_cache import KVCache, as_dtype
 
 
 class AttentionContext(Protocol):
@@ -58,7 +58,7 @@ class PagedContext:
         self.kv.write(layer, self.write_slots, k, v)
         k_all, v_all = self.kv.gather(layer, self.kv_slots)  # [B, K, KVH, D]
         q_pad = self._pad_queries(q).reshape([self.num_seqs, self.max_q, *q.shape[1:]])
-        out = masked_attention(q_pad, k_all.astype(q.dtype), v_all.astype(q.dtype), self.bias)
+        out = masked_attention(q_pad, as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype), self.bias)
         return paddle.gather(out.reshape([-1, *q.shape[1:]]), self.token_rows)  # [T, H, D]
 
     def _pad_queries(self, x: paddle.Tensor) -> paddle.Tensor:

@@ -1,4 +1,11 @@
-"""One Qwen2 decoder block: pre-norm attention and a SwiGLU MLP, each with a residual."""
+"""One Qwen2 decoder block: pre-norm attention and a SwiGLU MLP, each with a residual.
+
+The checkpoint keeps q/k/v and gate/up as separate tensors (the MiMo/HF layout, split per rank by the
+loader). A forward runs each group as one matmul over their concatenation: at serving sizes on CPU the
+per-op dispatch, not the arithmetic, is the cost. In eval mode the concatenation is built once by
+`fuse()` (from this rank's shards, so under tensor parallelism it is the concat of this rank's q, k and
+v slices); in training it is rebuilt every forward so gradients reach the separate parameters.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,33 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mtpserve.model.rotary import RotaryEmbedding
+
+
+class FusedColumns:
+    """The row-concatenation of column-parallel linears' weights (and biases): one matmul for all."""
+
+    def __init__(self, parts: list[ColumnParallelLinear]):
+        self.parts = parts
+        self.frozen: tuple[paddle.Tensor, paddle.Tensor | None] | None = None
+
+    def freeze(self) -> None:
+        """Build the concatenation once; call again whenever the weights change."""
+        with paddle.no_grad():
+            self.frozen = self._concat()
+
+    def thaw(self) -> None:
+        self.frozen = None
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        weight, bias = self.frozen if self.frozen is not None else self._concat()
+        y = paddle.matmul(x, weight, transpose_y=True)  # [T, sum(out)]
+        return y + bias if bias is not None else y
+
+    def _concat(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        weight = paddle.concat([p.weight for p in self.parts], axis=0)  # [sum(out), in]
+        if self.parts[0].bias is None:
+            return weight, None
+        return weight, paddle.concat([p.bias for p in self.parts], axis=0)
 
 
 class Attention(nn.Layer):
@@ -26,16 +60,18 @@ class Attention(nn.Layer):
         self.k_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * dim, bias, tp)
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * dim, bias, tp)
         self.o_proj = RowParallelLinear(config.num_attention_heads * dim, hidden, False, tp)
+        self.qkv = FusedColumns([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: paddle.Tensor, cos_sin: tuple[paddle.Tensor, paddle.Tensor],
                 ctx: AttentionContext, layer: int) -> paddle.Tensor:
         """x: [T, H] -> [T, H]."""
-        q = self.q_proj(x).reshape([-1, self.num_heads, self.head_dim])  # [T, heads, D]
-        k = self.k_proj(x).reshape([-1, self.num_kv_heads, self.head_dim])  # [T, kv_heads, D]
-        v = self.v_proj(x).reshape([-1, self.num_kv_heads, self.head_dim])  # [T, kv_heads, D]
-        q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).reshape([-1, heads + 2 * kv_heads, self.head_dim])  # [T, heads+2*kv, D]
+        qk, v = paddle.split(qkv, [heads + kv_heads, kv_heads], axis=1)
+        # NOTE: q and k are rotated together: one RoPE over heads+kv_heads instead of two.
+        q, k = paddle.split(RotaryEmbedding.apply(qk, *cos_sin), [heads, kv_heads], axis=1)
         out = ctx.attend(layer, q, k, v)  # [T, heads, D]
-        return self.o_proj(out.reshape([-1, self.num_heads * self.head_dim]))
+        return self.o_proj(out.reshape([-1, heads * self.head_dim]))
 
 
 class MLP(nn.Layer):
@@ -47,9 +83,11 @@ class MLP(nn.Layer):
         self.gate_proj = ColumnParallelLinear(hidden, inner, False, tp)
         self.up_proj = ColumnParallelLinear(hidden, inner, False, tp)
         self.down_proj = RowParallelLinear(inner, hidden, False, tp)
+        self.gate_up = FusedColumns([self.gate_proj, self.up_proj])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        # swiglu splits its input in half: silu(first half) * second half.
+        return self.down_proj(nn.functional.swiglu(self.gate_up(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Layer):
@@ -65,3 +103,14 @@ class DecoderLayer(nn.Layer):
         """x: [T, H] -> [T, H]."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def fused_groups(layer: nn.Layer) -> list[FusedColumns]:
+    """Every FusedColumns under `layer` (decoder and MTP blocks alike)."""
+    found = []
+    for sub in layer.sublayers(include_self=True):
+        if isinstance(sub, Attention):
+            found.append(sub.qkv)
+        elif isinstance(sub, MLP):
+            found.append(sub.gate_up)
+    return found

@@ -37,8 +37,8 @@ class KVCache:
 
     def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store this step's K/V. slots: [T] int64, already mapped so -1 became the scratch slot."""
-        paddle.scatter_(self.k[layer], slots, k.astype(self.k[layer].dtype), overwrite=True)
-        paddle.scatter_(self.v[layer], slots, v.astype(self.v[layer].dtype), overwrite=True)
+        paddle.scatter_(self.k[layer], slots, as_dtype(k, self.k[layer].dtype), overwrite=True)
+        paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
 
     def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """slots: [B, K] int64 -> K, V: [B, K, KVH, D]."""
@@ -47,3 +47,8 @@ class KVCache:
         k = paddle.gather(self.k[layer], flat).reshape(shape)
         v = paddle.gather(self.v[layer], flat).reshape(shape)
         return k, v
+
+
+def as_dtype(x: paddle.Tensor, dtype) -> paddle.Tensor:
+    """x in `dtype`, without a copy (or an op) when it already is."""
+    return x if x.dtype == dtype else x.astype(dtype)

@@ -13,7 +13,7 @@ from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
 from mtpserve.model.config import ModelConfig
-from mtpserve.model.decoder_layer import DecoderLayer
+from mtpserve.model.decoder_layer import DecoderLayer, fused_groups
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
@@ -52,7 +52,21 @@ class MiMoForCausalLM(nn.Layer):
         self.model = MiMoBody(config, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+
+    def eval(self) -> MiMoForCausalLM:
+        """Eval mode, serving from fused q/k/v and gate/up weights built now: call it again (or
+        `train()`) after changing any weight."""
+        super().eval()
+        for group in fused_groups(self):
+            group.freeze()
+        return self
+
+    def train(self) -> MiMoForCausalLM:
+        super().train()
+        for group in fused_groups(self):
+            group.thaw()
+        return self
 
     @property
     def num_mtp_layers(self) -> int:

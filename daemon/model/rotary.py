@@ -6,20 +6,28 @@ import paddle
 
 
 class RotaryEmbedding:
-    """Applies RoPE at arbitrary positions, so prefill chunks, decode and verify share one code path."""
+    """Applies RoPE at arbitrary positions, so prefill chunks, decode and verify share one code path.
 
-    def __init__(self, head_dim: int, theta: float):
+    cos/sin are tabulated once for every position below `max_positions`; a step only gathers its rows
+    (per-op dispatch, not arithmetic, is what a small model pays for on CPU).
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
         exponents = paddle.arange(0, head_dim, 2, dtype="float32") / head_dim
         self.inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+        positions = paddle.arange(max_positions, dtype="float32")
+        freqs = positions.unsqueeze(-1) * self.inv_freq  # [P, D/2]
+        self.cos_table = paddle.cos(paddle.concat([freqs, freqs], axis=-1))  # [P, D]
+        sin = paddle.sin(freqs)
+        # NOTE: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the sign lives in the table.
+        self.signed_sin_table = paddle.concat([-sin, sin], axis=-1)  # [P, D]
 
     def cos_sin(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        freqs = positions.astype("float32").unsqueeze(-1) * self.inv_freq  # [T, D/2]
-        emb = paddle.concat([freqs, freqs], axis=-1).unsqueeze(1)  # [T, 1, D]
-        return paddle.cos(emb), paddle.sin(emb)
+        """positions: [T] -> cos, signed sin: [T, 1, D]."""
+        cos = paddle.gather(self.cos_table, positions).unsqueeze(1)
+        return cos, paddle.gather(self.signed_sin_table, positions).unsqueeze(1)
 
     @staticmethod
-    def apply(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+    def apply(x: paddle.Tensor, cos: paddle.Tensor, signed_sin: paddle.Tensor) -> paddle.Tensor:
         """x: [T, heads, D] -> same shape, rotated."""
-        half = x.shape[-1] // 2
-        rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+        return x * cos + paddle.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin
