@@ -53,6 +53,8 @@ class EngineConfig:
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
     enable_overlap: bool = key(True, "schedule step N+1 while step N runs on the device")
     dtype: str = key("float32", "compute dtype", choices=("float32", "bfloat16", "float16"))
+    step_timeout: float = key(10.0, "seconds a step may run before a tensor-parallel group is "
+                              "declared hung and the instance goes down (TP > 1 only)", min=0.1)
     seed: int = key(0, "seed for requests that give none", min=0)
 
 

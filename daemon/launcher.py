@@ -37,6 +37,7 @@ from mtpserve.readiness import Readiness, health_url
 CONFIG_FILE = "config.json"
 BUNDLED_MODEL = Path(__file__).resolve().parent / "default_model"
 STOP_GRACE_S = 10.0
+FAILURE_GRACE_S = 2.0
 
 
 def runtime_dir(config: Config) -> Path:
@@ -123,8 +124,10 @@ class Supervisor:
         for name, argv, env in self.commands:
             self.children[name] = subprocess.Popen(argv, env=env, start_new_session=False)
         failed = self._wait_for_exit_or_signal()
-        status = self._stop(drain_timeout if not failed else 0.0)
-        return 1 if failed else status
+        if failed:
+            self._stop_after_failure()
+            return 1
+        return self._stop(drain_timeout)
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stopping += 1
@@ -158,6 +161,19 @@ class Supervisor:
             _wait(child, STOP_GRACE_S)
         statuses = [c.returncode for c in self.children.values()]
         return 0 if all(s == 0 for s in statuses) else 1
+
+    def _stop_after_failure(self) -> None:
+        """A child died: stop the ranks, but keep the HTTP process up for FAILURE_GRACE_S so clients
+        see what happened (/health 503, an SSE error event on every open stream) instead of a reset."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        ranks = [c for name, c in self.children.items() if name != "http"]
+        for child in ranks:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in ranks:
+            _wait(child, STOP_GRACE_S)
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        self._stop(drain_timeout=0.0)
 
     def _kill_all(self) -> None:
         for child in self.children.values():

@@ -20,7 +20,6 @@ from mtpserve.model.parallel import SINGLE, TensorParallel
 from mtpserve.ops import OutputSender
 
 WARMUP_PROMPT = (1, 2, 3, 4)
-TP_STEP_TIMEOUT_S = 10.0  # NOTE: a step of a tensor-parallel group waits this long for a hung peer
 
 
 @dataclass
@@ -45,7 +44,7 @@ class EngineSetup:
         channel.set_ready(engine_ready(core, model_dir, config, instance_name(config)))
         logger.info("engine ready", model=str(model_dir), kv_blocks=core.config.scheduler.num_blocks,
                     num_speculative_tokens=core.config.scheduler.num_speculative_tokens)
-        step_timeout = TP_STEP_TIMEOUT_S if tp.size > 1 else None
+        step_timeout = config.engine.step_timeout if tp.size > 1 else None
         return cls(core, output, sender, channel, RankLoop(core, channel, sender, step_timeout_s=step_timeout))
 
     def report_error(self, message: str) -> None:
