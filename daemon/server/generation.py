@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Protocol
 
+import structlog
 from aiohttp import web
 
 from mtpserve.server.choice import ChoiceUpdate
@@ -33,6 +34,7 @@ async def stream_response(request: web.Request, engine: EngineClient, stream: Re
                           fmt: ResponseFormat, options: StreamOptions | None) -> web.StreamResponse:
     writer = SseWriter(request)
     writer.response.headers["X-Request-Id"] = fmt.response_id
+    bind_request(fmt.response_id)
     try:
         await writer.start()
         await _send_chunks(writer, engine, stream, fmt, options)
@@ -65,6 +67,11 @@ async def _send_chunks(writer: SseWriter, engine: EngineClient, stream: RequestS
             await writer.send_many([_with_usage(c, with_usage, now_usage) for c in chunks])
 
 
+def bind_request(response_id: str) -> None:
+    """Every later log line of this handler's task carries the request id (tasks copy contexts)."""
+    structlog.contextvars.bind_contextvars(request_id=response_id)
+
+
 def _with_usage(chunk: dict, with_usage: bool, value: dict | None) -> dict:
     if with_usage:
         chunk["usage"] = value
@@ -73,6 +80,7 @@ def _with_usage(chunk: dict, with_usage: bool, value: dict | None) -> dict:
 
 async def collect_response(engine: EngineClient, stream: RequestStream, fmt: ResponseFormat) -> web.Response:
     collected: dict[int, list[ChoiceUpdate]] = {c.index: [] for c in stream.choices}
+    bind_request(fmt.response_id)
     try:
         while not stream.finished:
             for update in await engine.next_updates(stream):
