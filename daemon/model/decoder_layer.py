@@ -15,7 +15,8 @@ from paddle import nn
 from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.norm import RMSNorm
-from mtpserve.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from mtpserve.model.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, ServingWeight,
+                                     TensorParallel)
 from mtpserve.model.rotary import RotaryEmbedding
 
 
@@ -24,19 +25,25 @@ class FusedColumns:
 
     def __init__(self, parts: list[ColumnParallelLinear]):
         self.parts = parts
-        self.frozen: tuple[paddle.Tensor, paddle.Tensor | None] | None = None
+        self.serving = ServingWeight()
+        self.bias: paddle.Tensor | None = None
 
     def freeze(self) -> None:
-        """Build the concatenation once; call again whenever the weights change."""
+        """Build the concatenation once ([in, sum(out)]); call again whenever the weights change."""
         with paddle.no_grad():
-            self.frozen = self._concat()
+            weight, self.bias = self._concat()
+        self.serving.freeze(weight)
 
     def thaw(self) -> None:
-        self.frozen = None
+        self.serving.thaw()
+        self.bias = None
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
-        weight, bias = self.frozen if self.frozen is not None else self._concat()
-        y = paddle.matmul(x, weight, transpose_y=True)  # [T, sum(out)]
+        if self.serving.t is not None:
+            weight, bias = None, self.bias
+        else:
+            weight, bias = self._concat()
+        y = self.serving.matmul(x, weight)  # [T, sum(out)]
         return y + bias if bias is not None else y
 
     def _concat(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
@@ -105,12 +112,15 @@ class DecoderLayer(nn.Layer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def fused_groups(layer: nn.Layer) -> list[FusedColumns]:
-    """Every FusedColumns under `layer` (decoder and MTP blocks alike)."""
+def serving_weights(layer: nn.Layer) -> list:
+    """Everything under `layer` that keeps an eval-mode copy of its weights (`freeze()`/`thaw()`):
+    the fused groups and the row-parallel, replicated and head projections."""
     found = []
     for sub in layer.sublayers(include_self=True):
         if isinstance(sub, Attention):
             found.append(sub.qkv)
         elif isinstance(sub, MLP):
             found.append(sub.gate_up)
+        elif hasattr(sub, "freeze"):
+            found.append(sub)
     return found

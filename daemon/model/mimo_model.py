@@ -13,7 +13,7 @@ from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
 from mtpserve.model.config import ModelConfig
-from mtpserve.model.decoder_layer import DecoderLayer, fused_groups
+from mtpserve.model.decoder_layer import DecoderLayer, serving_weights
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
@@ -55,16 +55,16 @@ class MiMoForCausalLM(nn.Layer):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
 
     def eval(self) -> MiMoForCausalLM:
-        """Eval mode, serving from fused q/k/v and gate/up weights built now: call it again (or
-        `train()`) after changing any weight."""
+        """Eval mode, serving from weight copies built now (fused q/k/v and gate/up, every projection
+        transposed to [in, out]): call it again (or `train()`) after changing any weight."""
         super().eval()
-        for group in fused_groups(self):
+        for group in serving_weights(self):
             group.freeze()
         return self
 
     def train(self) -> MiMoForCausalLM:
         super().train()
-        for group in fused_groups(self):
+        for group in serving_weights(self):
             group.thaw()
         return self
 
