@@ -47,8 +47,12 @@ class MTPProposer:
         hidden = main_hidden
         for depth in range(self.k):
             shifted = paddle.to_tensor(ahead[win.row_of, offset + depth])  # [T]
-            out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth))
-            logits = self.model.compute_logits(paddle.gather(out.hidden_states, at_frontier))  # [B, V]
+            last = depth == self.k - 1
+            # NOTE: the last depth's hidden feeds no further depth: only its frontier rows are needed.
+            out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
+                                     out_rows=at_frontier if last else None)
+            head_in = out.hidden_states if last else paddle.gather(out.hidden_states, at_frontier)
+            logits = self.model.compute_logits(head_in)  # [B, V]
             ahead[rows, frontier + depth + 1] = paddle.argmax(logits, axis=-1).numpy()
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)

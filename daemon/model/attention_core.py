@@ -25,8 +25,11 @@ def masked_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor,
     kt = k.transpose([0, 2, 1, 3])  # [B, KVH, K, D]
     vt = v.transpose([0, 2, 1, 3])  # [B, KVH, K, D]
     scores = paddle.matmul(qg, kt, transpose_y=True) * (1.0 / math.sqrt(dim))  # [B, KVH, G*Q, K]
-    scores = scores.reshape([b, kv_heads, group, nq, nkv]) + bias.unsqueeze(1).unsqueeze(1)
-    probs = paddle.nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
+    scores = scores.reshape([b, kv_heads, group, nq, nkv]) + bias.unsqueeze([1, 2])
+    if scores.dtype == paddle.float32:  # NOTE: skip two no-op casts: each is a dispatched op
+        probs = paddle.nn.functional.softmax(scores, axis=-1)
+    else:
+        probs = paddle.nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
     out = paddle.matmul(probs.reshape([b, kv_heads, group * nq, nkv]), vt)  # [B, KVH, G*Q, D]
     out = out.reshape([b, kv_heads, group, nq, dim]).transpose([0, 3, 1, 2, 4])  # [B, Q, KVH, G, D]
     return out.reshape([b, nq, heads, dim])

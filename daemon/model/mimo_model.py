@@ -100,10 +100,13 @@ class MiMoForCausalLM(nn.Layer):
         return ModelOutput(hidden_states=self.model.norm(x), mtp_hidden=x)
 
     def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor,
-                positions: paddle.Tensor, ctx: AttentionContext, kv_layer: int | None = None) -> MTPOutput:
+                positions: paddle.Tensor, ctx: AttentionContext, kv_layer: int | None = None,
+                out_rows: paddle.Tensor | None = None) -> MTPOutput:
+        """With out_rows [N], both outputs hold only those rows ([N, H]) and the layer's MLP runs on
+        them alone (the last drafting depth needs one row per request; KV is written for all T)."""
         layer_index = index % self.num_mtp_layers
         layer = self.model.mtp_layers[layer_index]
         embeds = self.model.embed_tokens(token_ids)  # [T, H]
         kv_index = layer_index if kv_layer is None else kv_layer
-        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, kv_index)
+        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, kv_index, out_rows)
         return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)

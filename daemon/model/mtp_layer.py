@@ -33,10 +33,16 @@ class MTPLayer(nn.Layer):
 
     def forward(self, token_embeds: paddle.Tensor, prev_hidden: paddle.Tensor,
                 cos_sin: tuple[paddle.Tensor, paddle.Tensor], ctx: AttentionContext,
-                layer: int) -> paddle.Tensor:
-        """token_embeds, prev_hidden: [T, H] -> this depth's hidden [T, H] (before final_layernorm)."""
+                layer: int, out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
+        """token_embeds, prev_hidden: [T, H] -> this depth's hidden [T, H] (before final_layernorm).
+
+        out_rows: [N] if only those rows' outputs are wanted -> [N, H]; every row's KV is still written,
+        but the MLP runs on the N rows only.
+        """
         joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(token_embeds)],
                                axis=-1)  # [T, 2H]
         x = self.input_proj(joined)  # [T, H]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx, layer)
+        if out_rows is not None:
+            x = paddle.gather(x, out_rows)  # [N, H]
         return x + self.mlp(self.post_attention_layernorm(x))

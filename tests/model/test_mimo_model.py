@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 
 from model_fixtures import Window, make_model, pack, weights_of
-from mtpserve.model.attention_context import DenseCausalContext
+from mtpserve.model.attention_context import DenseCausalContext, PagedContext
 from mtpserve.model.kv_cache import KVCache
 from numpy_reference import Reference
 
@@ -137,3 +137,38 @@ def test_mtp_layer_incremental_through_its_own_cache_matches_numpy():
         step = model.mtp_forward(0, batch, batch.input_ids, out.mtp_hidden[pos:pos + 1], mtp_kv)
         got.append(model.compute_logits(step.hidden_states).numpy()[0])
     assert_close(np.stack(got), ref_logits)
+
+
+def test_mtp_out_rows_match_full_rows_and_write_the_same_kv():
+    """Asking an MTP depth for a few rows gives those rows of the full output, and every row's KV."""
+    model = make_model(seed=8)
+    ids = np.random.default_rng(6).integers(0, 97, 10)
+    kv, mtp_kv = caches(model)
+    batch = pack([Window(ids[:6].tolist(), 0, blocks_for(0)), Window(ids[6:9].tolist(), 0, blocks_for(1))],
+                 BLOCK, MAX_BLOCKS)
+    out = model.forward(batch, kv)
+    shifted = paddle.to_tensor(ids[1:10])
+    full = model.mtp_forward(0, batch, shifted, out.mtp_hidden, mtp_kv)
+    full_kv = mtp_kv.k[0].numpy().copy()
+    mtp_kv.k[0].set_value(paddle.zeros_like(mtp_kv.k[0]))
+    rows = paddle.to_tensor(np.array([5, 7]))
+    ctx_rows = model.run_mtp(0, shifted, out.mtp_hidden, batch.positions,
+                             PagedContext(batch, mtp_kv), out_rows=rows)
+    assert_close(ctx_rows.hidden_states.numpy(), full.hidden_states.numpy()[[5, 7]], rel=1e-6)
+    assert_close(ctx_rows.mtp_hidden.numpy(), full.mtp_hidden.numpy()[[5, 7]], rel=1e-6)
+    np.testing.assert_array_equal(mtp_kv.k[0].numpy(), full_kv)
+
+
+def test_eval_rebuilds_serving_weights_after_training_changes_them():
+    """Eval mode serves from fused, transposed copies: train() drops them, eval() rebuilds them."""
+    model = make_model(seed=9)
+    ids = np.random.default_rng(7).integers(0, 97, 5)
+    batch = pack([Window(ids.tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS)
+    model.train()
+    for p in model.parameters():
+        p.set_value(p * 1.1)
+    trained = logits_of(model, batch, caches(model)[0])
+    model.eval()
+    ref = Reference(weights_of(model), model.config)
+    assert_close(logits_of(model, batch, caches(model)[0]), ref.main(ids)[0])
+    assert_close(trained, ref.main(ids)[0])
