@@ -40,9 +40,9 @@ class PagedContext:
 
     Built once per forward; every layer reuses the index tensors:
       1. `token_rows` [T]: where each flat token sits in the padded [B * max_q] query buffer;
-      2. `kv_slots` [B, K]: the cache row of every key position 0..K-1 of every request
+      2. `kv_slots` [B*K] (flat; `key_shape` is [B, K]): the cache row of every key position 0..K-1 of every request
          (K = max_blocks_per_seq * block_size; unused table entries point at the scratch block);
-      3. `bias` [B, max_q, K]: key j is visible to a query at position p iff j <= p and j < seq_len_kv.
+      3. `bias` [B, 1, 1, max_q, K] (shaped for the grouped scores once, not per layer): key j is visible to a query at position p iff j <= p and j < seq_len_kv.
     """
 
     def __init__(self, batch: ForwardBatch, kv: KVCache):
@@ -52,14 +52,17 @@ class PagedContext:
         # padded query buffer is the flat token order itself and padding/unpadding can be skipped.
         self.dense = batch.num_tokens == self.num_seqs * self.max_q
         self.write_slots = _safe_slots(batch.slot_mapping.astype("int64"), kv.scratch_slot)  # [T]
-        self.token_rows = _token_rows(batch.cu_seqlens_q.astype("int64"), batch.num_tokens, self.max_q)
-        self.kv_slots = _kv_slots(batch.block_tables.astype("int64"), kv.block_size, kv.scratch_slot)
+        self.token_rows = None if self.dense else _token_rows(batch.cu_seqlens_q.astype("int64"),
+                                                              batch.num_tokens, self.max_q)
+        kv_slots = _kv_slots(batch.block_tables.astype("int64"), kv.block_size, kv.scratch_slot)
+        self.key_shape = kv_slots.shape  # [B, K]
+        self.kv_slots = kv_slots.flatten()  # [B*K]
         positions = self._pad_queries(batch.positions).reshape([self.num_seqs, self.max_q])  # [B, max_q]
-        self.bias = _paged_bias(positions, batch.seq_lens_kv, self.kv_slots.shape[1])
+        self.bias = _paged_bias(positions, batch.seq_lens_kv, kv_slots.shape[1]).unsqueeze([1, 2])
 
     def attend(self, layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
         self.kv.write(layer, self.write_slots, k, v)
-        k_all, v_all = self.kv.gather(layer, self.kv_slots)  # [B, K, KVH, D]
+        k_all, v_all = self.kv.gather(layer, self.kv_slots, self.key_shape)  # [B, K, KVH, D]
         q_pad = self._pad_queries(q).reshape([self.num_seqs, self.max_q, *q.shape[1:]])
         out = masked_attention(q_pad, as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype), self.bias)
         out = out.reshape([-1, *q.shape[1:]])  # [B * max_q, H, D]

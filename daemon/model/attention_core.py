@@ -14,7 +14,8 @@ def masked_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor,
                      bias: paddle.Tensor) -> paddle.Tensor:
     """Grouped-query attention over padded buffers.
 
-    q: [B, Q, H, D]; k, v: [B, K, KVH, D]; bias: [B, Q, K] additive (0 or MASKED) -> [B, Q, H, D].
+    q: [B, Q, H, D]; k, v: [B, K, KVH, D]; bias: [B, Q, K] additive (0 or MASKED), or the same already
+    shaped [B, 1, 1, Q, K] by a caller that reuses it across layers -> [B, Q, H, D].
     Query head h reads KV head h // (H // KVH), as Hugging Face's repeat_kv does.
     """
     b, nq, heads, dim = q.shape
@@ -25,7 +26,7 @@ def masked_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor,
     kt = k.transpose([0, 2, 1, 3])  # [B, KVH, K, D]
     vt = v.transpose([0, 2, 1, 3])  # [B, KVH, K, D]
     scores = paddle.matmul(qg, kt, transpose_y=True) * (1.0 / math.sqrt(dim))  # [B, KVH, G*Q, K]
-    scores = scores.reshape([b, kv_heads, group, nq, nkv]) + bias.unsqueeze([1, 2])
+    scores = scores.reshape([b, kv_heads, group, nq, nkv]) + (bias if bias.ndim == 5 else bias.unsqueeze([1, 2]))
     if scores.dtype == paddle.float32:  # NOTE: skip two no-op casts: each is a dispatched op
         probs = paddle.nn.functional.softmax(scores, axis=-1)
     else:

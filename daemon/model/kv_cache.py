@@ -40,12 +40,14 @@ class KVCache:
         paddle.scatter_(self.k[layer], slots, as_dtype(k, self.k[layer].dtype), overwrite=True)
         paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
 
-    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """slots: [B, K] int64 -> K, V: [B, K, KVH, D]."""
-        flat = slots.flatten()
-        shape = [slots.shape[0], slots.shape[1], *self.k[layer].shape[1:]]
-        k = paddle.gather(self.k[layer], flat).reshape(shape)
-        v = paddle.gather(self.v[layer], flat).reshape(shape)
+    def gather(self, layer: int, flat_slots: paddle.Tensor,
+               key_shape: list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """flat_slots: [B*K] int64, key_shape: [B, K] -> K, V: [B, K, KVH, D].
+
+        The slots come flat (flattened once per step by the caller, not once per layer)."""
+        shape = [*key_shape, *self.k[layer].shape[1:]]
+        k = paddle.gather(self.k[layer], flat_slots).reshape(shape)
+        v = paddle.gather(self.v[layer], flat_slots).reshape(shape)
         return k, v
 
 

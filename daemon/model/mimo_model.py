@@ -89,7 +89,8 @@ class MiMoForCausalLM(nn.Layer):
 
     def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         """hidden_states: [N, H] (an output's `hidden_states` rows) -> fp32 logits [N, V]."""
-        return self.lm_head(hidden_states).astype("float32")
+        logits = self.lm_head(hidden_states)
+        return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
         """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""
