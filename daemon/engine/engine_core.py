@@ -41,9 +41,12 @@ class _Emitter:
         self.widths: list[int] = []
         self.drafted: list[int] = []
         self.accepted: list[int] = []
+        self.seq: list[int] = []  # tokens the request emitted before this output
 
     def add(self, request_id, tokens: np.ndarray, reason: FinishReason, width: int = -1,
-            logprobs: tuple | None = None, request: Request | None = None) -> None:
+            logprobs: tuple | None = None, request: Request | None = None, seq: int = 0) -> None:
+        """`request` (when given) has already committed `tokens`, so its earlier count is derived."""
+        self.seq.append(len(request.output_ids) - tokens.shape[0] if request else seq)
         self.drafted.append(request.num_draft_tokens if request else 0)
         self.accepted.append(request.num_accepted_tokens if request else 0)
         self.ids.append(request_id)
@@ -60,7 +63,8 @@ class _Emitter:
                           np.concatenate(self.tokens).astype(np.int64),
                           np.asarray(self.reasons, np.uint8),
                           num_draft_tokens=np.asarray(self.drafted, np.int64),
-                          num_accepted_tokens=np.asarray(self.accepted, np.int64))
+                          num_accepted_tokens=np.asarray(self.accepted, np.int64),
+                          seq=np.asarray(self.seq, np.int64))
         if all(lp is None for lp in self.logprobs):
             return base
         return base._replace(**self._logprob_columns())
@@ -92,7 +96,7 @@ class EngineCore:
         self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
         self._inflight: collections.deque[tuple[SchedulePlan, StepHandle]] = collections.deque()
         self._depth = 2 if config.overlap else 1
-        self._aborted: list[int | str] = []
+        self._aborted: list[tuple[int | str, int]] = []  # (request id, tokens it emitted)
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -114,9 +118,10 @@ class EngineCore:
 
     def abort_request(self, request_id: int | str) -> bool:
         """Drop a request in any phase. Results of steps already launched for it are discarded."""
-        if self.scheduler.abort(request_id) is None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
             return False
-        self._aborted.append(request_id)
+        self._aborted.append((request_id, len(request.output_ids)))
         return True
 
     @property
@@ -203,8 +208,8 @@ class EngineCore:
         request.num_accepted_tokens += num_accepted
 
     def _emit_aborts(self, out: _Emitter) -> _Emitter:
-        for request_id in self._aborted:
-            out.add(request_id, np.zeros(0, np.int64), FinishReason.ABORT)
+        for request_id, num_emitted in self._aborted:
+            out.add(request_id, np.zeros(0, np.int64), FinishReason.ABORT, seq=num_emitted)
         self._aborted.clear()
         return out
 

@@ -48,7 +48,6 @@ class RankLoop:
         self.channel = channel
         self.sender = sender
         self.stats_interval_s = stats_interval_s
-        self._num_sent: dict[int, int] = {}  # request id -> tokens emitted so far (the frame's seq)
         self._last_stats = 0.0
         self.num_steps = 0  # steps collected
         self.num_backpressure_waits = 0
@@ -99,25 +98,13 @@ class RankLoop:
             return
         status = SendStatus.of(self.sender.send_step(
             step_id=max(out.step_id, 0), req_ids=np.asarray(out.request_ids, np.int64),
-            seq=self._sequence_numbers(out), num_tokens=out.num_tokens,
+            seq=out.seq, num_tokens=out.num_tokens,
             finish=out.finish_reasons.astype(np.int32), token_ids=out.token_ids,
             logprobs=_logprobs(out), num_topk=_topk_width(out)))
         while status.frames_pending:
             self.num_backpressure_waits += 1
             await asyncio.sleep(BACKPRESSURE_POLL_S)  # NOTE: scheduling pauses while the reader is behind
             status = SendStatus.of(self.sender.flush())
-
-    def _sequence_numbers(self, out: StepOutput) -> np.ndarray:
-        """Tokens already emitted per request before this step; forgets finished requests."""
-        seq = np.empty(len(out.request_ids), np.int64)
-        for i, (request_id, n, reason) in enumerate(zip(out.request_ids, out.num_tokens.tolist(),
-                                                        out.finish_reasons.tolist())):
-            seq[i] = self._num_sent.get(request_id, 0)
-            if reason:
-                self._num_sent.pop(request_id, None)
-            else:
-                self._num_sent[request_id] = seq[i] + n
-        return seq
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -23,6 +23,7 @@ class StepOutput(NamedTuple):
     # NOTE: cumulative per-request speculation counters (usage / per-request acceptance metrics).
     num_draft_tokens: np.ndarray | None = None  # [R] int64
     num_accepted_tokens: np.ndarray | None = None  # [R] int64
+    seq: np.ndarray | None = None  # [R] int64, tokens each request emitted before this output (wire seq)
 
     @classmethod
     def empty(cls, step_id: int = -1) -> StepOutput:
