@@ -44,4 +44,10 @@ Semantics and deviations from the first sketch of this interface:
     extra block is the sink for slot -1, so invalid tokens cost no branch and no host sync.
   * No per-request Python loop and no host sync in forward/mtp_forward: block tables are expanded to
     key slots and queries are scattered into a padded [B, max_q] buffer with device index tensors.
+  * Eval mode (`model.eval()`, which load_model calls) serves from weight copies built at that
+    moment: q/k/v and gate/up concatenated per rank into one matmul each, and every projection and
+    the LM head transposed to [in, out] (Paddle's CPU matmul copies a `transpose_y` weight on every
+    call). The cost is one extra copy of those weights; change weights only in train mode, or call
+    eval() again after changing them. `run_mtp(..., out_rows=rows)` returns only those rows and runs
+    the layer's MLP on them alone (the last drafting depth), while still writing every row's KV.
 """
