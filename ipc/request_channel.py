@@ -1,7 +1,7 @@
 """The request channel: HTTP process <-> rank 0, over a Unix domain stream socket.
 
-HTTP -> engine: `AddRequest`, `AbortRequest`.  Engine -> HTTP: `EngineReady`, `EngineStats`,
-`RequestFailed`.  Generated tokens do NOT travel here: they use the output path (ipc/ frames over
+HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`.  Engine -> HTTP: `EngineReady`,
+`EngineStats`, `RequestFailed`, `KVHeld` (the last two of each only under PD: docs/pd.md).  Generated tokens do NOT travel here: they use the output path (ipc/ frames over
 message queues).  This channel carries the low-rate control traffic only.
 
 Wire: every frame is a 4-byte little-endian payload length followed by a msgspec MessagePack payload
@@ -64,11 +64,43 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # None: no logprobs; n: the sampled token's logprob plus the top n (<= 20)
 
 
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a rank's paged KV lives, for one-sided reads by another instance (docs/pd.md).
+
+    Buffers in a fixed order: layer 0 K, layer 0 V, layer 1 K, ..., then MTP depth 0 K, V, ...
+    Block b of buffer i starts at `buffer_addrs[i] + b * block_bytes[i]`.
+    """
+
+    block_size: int  # tokens per block
+    buffer_addrs: list[int]
+    block_bytes: list[int]
+
+
+class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """A prompt another instance prefilled (decode role): where its KV is and what it sampled."""
+
+    kv_session: str  # the prefill rank's Mooncake session, "host:rpc_port"
+    kv_layout: KVLayout  # the prefill rank's layout
+    block_ids: list[int]  # prefill blocks holding positions 0 .. len(prompt)-1, in order
+    first_token_id: int
+    draft_token_ids: list[int]  # the k MTP drafts after the first token
+    lease_deadline: float  # time.time() after which the prefill may have freed the blocks
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     request_id: int  # unique per instance; the output frames carry the same id
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0  # time.time() at HTTP arrival, for queue-time metrics
+    # NOTE: prefill role: keep the KV after the first token (unless it stopped) and report KVHeld.
+    hold_kv: bool = False
+    remote_prefill: RemotePrefill | None = None  # decode role: start from another instance's prefill
+
+
+class ReleaseKV(msgspec.Struct, frozen=True, tag=True):
+    """Prefill role: the decode instance has the KV (or never will); free these held blocks."""
+
+    request_ids: list[int]
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
@@ -86,6 +118,9 @@ class EngineReady(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     num_kv_blocks: int = 0
     kv_block_size: int = 0
     output_channel: str = ""  # opaque descriptor the output reader opens (ipc/ decides)
+    role: str = "mixed"  # pd.role
+    kv_session: str = ""  # prefill/decode roles: this rank's Mooncake session, "host:rpc_port"
+    kv_layout: KVLayout | None = None  # prefill/decode roles
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -110,8 +145,19 @@ class RequestFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-ToEngine = Union[AddRequest, AbortRequest]
-ToHttp = Union[EngineReady, EngineStats, RequestFailed]
+class KVHeld(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Prefill role: the request's KV stays in these blocks until ReleaseKV or the lease ends.
+
+    Sent before the request's FIRST_TOKEN frame is sent."""
+
+    request_id: int
+    block_ids: list[int]
+    num_tokens: int  # positions with KV (the prompt length)
+    lease_expires_in: float  # seconds
+
+
+ToEngine = Union[AddRequest, AbortRequest, ReleaseKV]
+ToHttp = Union[EngineReady, EngineStats, RequestFailed, KVHeld]
 
 
 class ChannelClosed(ConnectionError):
@@ -166,7 +212,7 @@ class RequestChannelClient:
                     raise TimeoutError(f"no engine listening on {path} after {timeout_s}s") from None
                 await asyncio.sleep(0.05)
 
-    def send(self, msg: AddRequest | AbortRequest) -> None:
+    def send(self, msg: AddRequest | AbortRequest | ReleaseKV) -> None:
         """Queue a frame on the transport (never blocks; the kernel buffer drains it)."""
         if self._writer.is_closing():
             raise ChannelClosed("request channel closed")
@@ -175,7 +221,7 @@ class RequestChannelClient:
     async def drain(self) -> None:
         await self._writer.drain()
 
-    async def recv(self) -> EngineReady | EngineStats | RequestFailed:
+    async def recv(self) -> EngineReady | EngineStats | RequestFailed | KVHeld:
         return await self._codec_in.read(self._reader)
 
     async def wait_ready(self, timeout_s: float = 600.0) -> EngineReady:
@@ -227,7 +273,7 @@ class RequestChannelServer:
         self._ready = ready
         self.send(ready)
 
-    def send(self, msg: EngineReady | EngineStats | RequestFailed) -> None:
+    def send(self, msg: EngineReady | EngineStats | RequestFailed | KVHeld) -> None:
         """Broadcast to every connected HTTP process (there is normally one)."""
         frame = self._codec_out.encode(msg)
         for writer in list(self._writers):

@@ -87,11 +87,12 @@ class PaddleModelRunner:
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
+            drafts = None
             if self.proposer is not None:
-                self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted, reason,
-                                      self.state)
+                drafts = self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted,
+                                               reason, self.state)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
-                              logprobs)
+                              logprobs, drafts)
 
     def _logprobs(self, plan: StepPlan, logits: paddle.Tensor, tokens: np.ndarray) -> LogprobRows | None:
         """Raw logprobs of the emitted tokens [B, k+1] (-1 padded) from the raw verify-row logits."""

@@ -37,8 +37,9 @@ class MTPProposer:
 
     def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
                 main_hidden: paddle.Tensor, verified, num_emitted: np.ndarray, reason: np.ndarray,
-                state: SlotState) -> None:
-        """Run the k depths and store the drafts of rows that keep generating into `state.drafts`."""
+                state: SlotState) -> np.ndarray:
+        """Run the k depths, store the drafts of rows that keep generating into `state.drafts`, and
+        return every row's drafts [B, k] (a PD prefill hands those of its finished rows on)."""
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
         ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
         offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
@@ -52,12 +53,12 @@ class MTPProposer:
             out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
                                      out_rows=at_frontier if last else None)
             head_in = out.hidden_states if last else paddle.gather(out.hidden_states, at_frontier)
-            logits = self.model.compute_logits(head_in)  # [B, V]
-            ahead[rows, frontier + depth + 1] = paddle.argmax(logits, axis=-1).numpy()
+            ahead[rows, frontier + depth + 1] = self.model.draft_token_ids(head_in).numpy()  # [B]
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)
         drafts = ahead[rows[:, None], frontier[:, None] + 1 + np.arange(self.k)[None, :]]  # [B, k]
         state.drafts[plan.slots[live]] = drafts[live]
+        return drafts
 
     def _context(self, ctx: PagedContext, depth: int) -> PagedContext:
         """The target pass's attention indices (same positions, slots, masks) over this depth's KV."""

@@ -120,3 +120,4 @@ class StepResult(NamedTuple):
     finish_reason: np.ndarray  # [B] uint8 (request.FinishReason)
     is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
     logprobs: LogprobRows | None = None  # only when some row's request asked for logprobs
+    drafts: np.ndarray | None = None  # [B, k] int64: each row's next drafts (MTP on; a PD prefill sends them)

@@ -92,6 +92,11 @@ class MiMoForCausalLM(nn.Layer):
         logits = self.lm_head(hidden_states)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
+    def draft_token_ids(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+        """hidden_states: [N, H] MTP outputs -> [N] int64 greedy draft tokens (drafts are one-hot, so
+        rejection sampling needs no draft probabilities)."""
+        return paddle.argmax(self.compute_logits(hidden_states), axis=-1)
+
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
         """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""
         cos_sin = self.rotary.cos_sin(positions)
