@@ -2,7 +2,7 @@
 # Debian packages the build and the tests need. As root: installs what is missing. Otherwise: names
 # what to install and stops.
 set -eu
-PACKAGES="python3 python3-venv python3-dev g++ make systemd"
+PACKAGES="python3 python3-venv python3-dev g++ make systemd libibverbs1"
 missing=""
 for p in $PACKAGES; do
     dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
