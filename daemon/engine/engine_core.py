@@ -28,6 +28,27 @@ class EngineConfig:
     overlap: bool = True  # plan and launch step N+1 before collecting step N
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # draws the seeds of requests that bring none
+    kv_lease_s: float = 30.0  # prefill role: how long held KV waits for its decode instance
+    fetch_margin_s: float = 1.0  # decode role: a source lease ending sooner than this is not read
+
+
+@dataclasses.dataclass(frozen=True)
+class KVHold:
+    """Prefill role: a finished request's KV stays in `block_ids` until released or `deadline`."""
+
+    request_id: int | str
+    block_ids: tuple[int, ...]
+    num_tokens: int  # positions with KV (the prompt)
+    deadline: float  # time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFetch:
+    """Decode role: read a prefilled prompt's KV from `source` into the local `block_ids`."""
+
+    request_id: int | str
+    block_ids: tuple[int, ...]
+    source: object  # RemoteKV.source
 
 
 class _Emitter:
@@ -42,10 +63,13 @@ class _Emitter:
         self.drafted: list[int] = []
         self.accepted: list[int] = []
         self.seq: list[int] = []  # tokens the request emitted before this output
+        self.drafts: list[np.ndarray | None] = []  # per request: its next k drafts, when known
 
     def add(self, request_id, tokens: np.ndarray, reason: FinishReason, width: int = -1,
-            logprobs: tuple | None = None, request: Request | None = None, seq: int = 0) -> None:
+            logprobs: tuple | None = None, request: Request | None = None, seq: int = 0,
+            drafts: np.ndarray | None = None) -> None:
         """`request` (when given) has already committed `tokens`, so its earlier count is derived."""
+        self.drafts.append(drafts)
         self.seq.append(len(request.output_ids) - tokens.shape[0] if request else seq)
         self.drafted.append(request.num_draft_tokens if request else 0)
         self.accepted.append(request.num_accepted_tokens if request else 0)
@@ -65,9 +89,15 @@ class _Emitter:
                           num_draft_tokens=np.asarray(self.drafted, np.int64),
                           num_accepted_tokens=np.asarray(self.accepted, np.int64),
                           seq=np.asarray(self.seq, np.int64))
+        if any(d is not None for d in self.drafts):
+            base = base._replace(drafts=self._draft_columns())
         if all(lp is None for lp in self.logprobs):
             return base
         return base._replace(**self._logprob_columns())
+
+    def _draft_columns(self) -> np.ndarray:
+        k = max(d.shape[0] for d in self.drafts if d is not None)
+        return np.stack([np.zeros(k, np.int64) if d is None else d for d in self.drafts])
 
     def _logprob_columns(self) -> dict:
         width = max(max(self.widths), 0)
@@ -102,6 +132,9 @@ class EngineCore:
         self._seeds = np.random.default_rng(config.seed)
         self.wait_seconds = 0.0  # host time blocked on device results (the per-step sync)
         self.num_discarded_rows = 0  # rows computed for requests already finished/aborted/preempted
+        self._holds: list[KVHold] = []  # prefill role: announced by the next `take_kv_holds`
+        self._lease_deadlines: dict[int | str, float] = {}
+        self.num_kv_fallbacks = 0  # decode role: prefilled prompts recomputed here instead
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -117,12 +150,63 @@ class EngineCore:
         self.scheduler.add(Request(request, next(self._arrivals), seed))
 
     def abort_request(self, request_id: int | str) -> bool:
-        """Drop a request in any phase. Results of steps already launched for it are discarded."""
+        """Drop a request in any phase (a held prefill KV included). Results of steps already
+        launched for it are discarded."""
+        if self.release_kv(request_id):
+            return True
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
         self._aborted.append((request_id, len(request.output_ids)))
         return True
+
+    # ---- PD: prefill role ----------------------------------------------------------------------
+
+    def take_kv_holds(self) -> list[KVHold]:
+        """KV kept since the last call, to announce before the requests' first-token frames."""
+        holds, self._holds = self._holds, []
+        return holds
+
+    def release_kv(self, request_id: int | str) -> bool:
+        """Free a held prefill KV (the decode instance has read it, or never will)."""
+        self._lease_deadlines.pop(request_id, None)
+        return self.scheduler.release_held(request_id)
+
+    def expire_leases(self, now: float | None = None) -> list[int | str]:
+        """Release every held KV whose lease ended; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, deadline in self._lease_deadlines.items() if deadline <= now]
+        for request_id in expired:
+            self.release_kv(request_id)
+        return expired
+
+    def _hold(self, request: Request) -> None:
+        deadline = time.monotonic() + self.config.kv_lease_s
+        self._lease_deadlines[request.request_id] = deadline
+        self._holds.append(KVHold(request.request_id, tuple(self.scheduler.held[request.request_id]),
+                                  int(request.prompt_ids.shape[0]), deadline))
+
+    # ---- PD: decode role ------------------------------------------------------------------------
+
+    def start_kv_fetches(self, now: float | None = None) -> list[KVFetch]:
+        """Reserve blocks for prefilled requests and say which KV to read into them now; requests
+        whose source lease is about to end recompute their prompt instead."""
+        now = time.time() if now is None else now
+        queued = len(self.scheduler.fetch_queue)
+        started = self.scheduler.start_fetches(now, self.config.fetch_margin_s)
+        self.num_kv_fallbacks += queued - len(started) - len(self.scheduler.fetch_queue)
+        return [KVFetch(r.request_id, tuple(r.block_ids), r.remote.source) for r in started]
+
+    def kv_fetched(self, request_id: int | str, ok: bool) -> None:
+        """A read started by `start_kv_fetches` finished; on failure the prompt is recomputed."""
+        request = self.scheduler.fetch_done(request_id, ok)
+        if request is not None and not ok:
+            self.num_kv_fallbacks += 1
+
+    @property
+    def num_fetching(self) -> int:
+        """Prefilled requests waiting for blocks or for their KV to arrive."""
+        return len(self.scheduler.fetching) + len(self.scheduler.fetch_queue)
 
     @property
     def num_inflight_steps(self) -> int:
@@ -197,10 +281,13 @@ class EngineCore:
         if is_verified:
             self._count_acceptance(request, int(result.num_accepted[i]))
         self.scheduler.commit(row, tokens.tolist(), reason)
+        if request.request_id in self.scheduler.held:
+            self._hold(request)
         if tokens.shape[0] or reason is not FinishReason.NONE:
             width = request.params.logprobs
+            drafts = None if result.drafts is None else result.drafts[i]
             out.add(request.request_id, tokens, reason, -1 if width is None else width,
-                    _row_logprobs(result, i, tokens.shape[0], width), request)
+                    _row_logprobs(result, i, tokens.shape[0], width), request, drafts=drafts)
         return is_verified
 
     def _count_acceptance(self, request: Request, num_accepted: int) -> None:

@@ -23,7 +23,7 @@ def build_model_engine(model: MiMoForCausalLM, *, num_speculative_tokens: int, m
                        max_num_batched_tokens: int = 2048, max_prefill_chunk: int = 512,
                        block_size: int = 16, num_kv_blocks: int = 0, kv_cache_mb: int = 512,
                        max_model_len: int = 0, enable_overlap: bool = True, seed: int = 0,
-                       eos_token_ids: tuple[int, ...] = (),
+                       eos_token_ids: tuple[int, ...] = (), kv_lease_s: float = 30.0,
                        make_runner: RunnerFactory = PaddleModelRunner) -> EngineCore:
     """`make_runner` builds the device side (the tensor-parallel leader passes its own)."""
     cfg = runner_config(model, num_speculative_tokens, max_num_seqs, block_size, num_kv_blocks, kv_cache_mb)
@@ -33,7 +33,8 @@ def build_model_engine(model: MiMoForCausalLM, *, num_speculative_tokens: int, m
                             block_size=block_size,
                             max_model_len=max_model_len or model.config.max_position_embeddings)
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())
-    return EngineCore(EngineConfig(sched, overlap=enable_overlap, eos_token_ids=eos, seed=seed),
+    return EngineCore(EngineConfig(sched, overlap=enable_overlap, eos_token_ids=eos, seed=seed,
+                                   kv_lease_s=kv_lease_s),
                       make_runner(model, cfg))
 
 

@@ -66,16 +66,31 @@ def _sampling_problems(p: SamplingParams) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteKV:
+    """Decode role (docs/pd.md): the prompt was prefilled by another instance, whose KV is read from
+    `source` before the request starts decoding from `first_token_id` and its drafts."""
+
+    source: object  # opaque to the engine: what the KV transfer layer needs to read the blocks
+    first_token_id: int
+    draft_token_ids: tuple[int, ...]
+    deadline: float  # time.time() after which the source may have freed its blocks
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """One generation request as the engine receives it (already tokenized and validated)."""
 
     request_id: int | str  # the wire uses ints; tests use strings
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    hold_kv: bool = False  # prefill role: keep the KV after the last token unless it stopped
+    remote: RemoteKV | None = None  # decode role
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.remote is not None and self.params.max_tokens < 2:
+            raise ValueError(f"request {self.request_id}: a prefilled request needs max_tokens >= 2")
 
 
 class RequestStatus(enum.Enum):
@@ -118,6 +133,11 @@ class Request:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.hold_kv = req.hold_kv
+        self.remote = req.remote  # None once its KV arrived (or the engine fell back to recompute)
+        self.remote_start: tuple[int, np.ndarray] | None = None  # (last token, drafts) of arrived KV
+        if req.remote is not None:
+            self.output_ids.append(req.remote.first_token_id)
         self._reset_progress()
 
     def _reset_progress(self) -> None:
@@ -149,6 +169,19 @@ class Request:
         self.block_ids = []
         self.epoch += 1
         self.num_preemptions += 1
+        self.remote_start = None
+        self._reset_progress()
+
+    def kv_arrived(self) -> None:
+        """The prompt's KV came from the prefill instance: the request decodes from its first token."""
+        remote, self.remote = self.remote, None
+        self.num_kv_tokens = int(self.prompt_ids.shape[0])
+        self.num_prefill_scheduled = self.num_prefill_tokens
+        self.remote_start = (remote.first_token_id, np.asarray(remote.draft_token_ids, np.int64))
+
+    def kv_lost(self) -> None:
+        """The prefill's KV cannot be read: recompute the prompt (and the first token's KV) here."""
+        self.remote = None
         self._reset_progress()
 
     def finish(self, reason: FinishReason) -> None:

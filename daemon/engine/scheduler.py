@@ -106,6 +106,12 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._by_id: dict[str, Request] = {}
         self.num_preemptions = 0
+        # NOTE: PD. Decode role: prefilled requests wait in `fetch_queue` for blocks, then their KV is
+        # read into them while they sit in `fetching`. Prefill role: `held` keeps the blocks of
+        # finished requests until the decode instance has read them.
+        self.fetch_queue: collections.deque[Request] = collections.deque()
+        self.fetching: dict[int | str, Request] = {}
+        self.held: dict[int | str, list[int]] = {}
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -114,14 +120,16 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id}")
         self._check_fits(request)
         self._by_id[request.request_id] = request
-        self.waiting.append(request)
+        (self.fetch_queue if request.remote is not None else self.waiting).append(request)
 
     def abort(self, request_id: int | str) -> Request | None:
         """Drop a request in any phase; returns it (finished, reason ABORT) or None if unknown."""
         request = self._by_id.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.WAITING:
+        if request in self.fetch_queue:
+            self.fetch_queue.remove(request)
+        elif request.status is RequestStatus.WAITING and request.request_id not in self.fetching:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
@@ -159,12 +167,15 @@ class Scheduler:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
             num_tokens = self._num_new_tokens(request, plan.budget)
-            if num_tokens == 0 or not self.blocks.can_grow(request.block_ids, num_tokens):
+            needed = request.num_kv_tokens + num_tokens  # KV that arrived from a prefill instance
+            if num_tokens == 0 or not self.blocks.can_grow(request.block_ids, needed):
                 return
             self.waiting.popleft()
             self._start(request)
             plan.inserts.append(request)
-            self._grow(request, num_tokens, plan)
+            if request.block_ids:
+                plan.block_writes.append(BlockWrite(request.slot, 0, tuple(request.block_ids)))
+            self._grow(request, needed, plan)
             self._add_row(request, num_tokens, plan)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -184,6 +195,8 @@ class Scheduler:
         itself had to be preempted."""
         needed = request.num_kv_tokens + request.num_inflight_tokens + num_tokens
         while not self.blocks.can_grow(request.block_ids, needed):
+            if self._reclaim_waiting_kv():
+                continue
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is request:
@@ -225,16 +238,81 @@ class Scheduler:
         keys = [r.arrival for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, request.arrival), request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, hold: bool = False) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._free_slots.append(request.slot)
+        if request.request_id in self.fetching:
+            return  # NOTE: a read may still be writing into them: `fetch_done` frees them
+        if hold:
+            self.held[request.request_id] = request.block_ids
+            request.block_ids = []
+            return
         self.blocks.free(request.block_ids)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self._release(request)
+        # NOTE: a prefill-role request that reached its length keeps its KV for the decode instance.
+        self._release(request, hold=request.hold_kv and reason is FinishReason.LENGTH)
         request.finish(reason)
         del self._by_id[request.request_id]
+
+    def _reclaim_waiting_kv(self) -> bool:
+        """Free the blocks of the latest waiting request that holds KV read from a prefill
+        instance; it recomputes instead. False if none does."""
+        for request in reversed(self.waiting):
+            if request.block_ids:
+                self.blocks.free(request.block_ids)
+                request.preempt()
+                self.num_preemptions += 1
+                return True
+        return False
+
+    # ---- PD -------------------------------------------------------------------------------------
+
+    def start_fetches(self, now: float, margin_s: float) -> list[Request]:
+        """Decode role: reserve blocks for queued prefilled requests (FCFS) and return those whose
+        KV should be read now. A request whose source lease ends within `margin_s` of `now`
+        recomputes its prompt instead."""
+        started = []
+        while self.fetch_queue:
+            request = self.fetch_queue[0]
+            if now > request.remote.deadline - margin_s:
+                self.fetch_queue.popleft()
+                self._requeue(request, arrived=False)
+                continue
+            if not self.blocks.can_grow([], request.prompt_ids.shape[0]):
+                break
+            self.fetch_queue.popleft()
+            self.blocks.grow(request.block_ids, int(request.prompt_ids.shape[0]))
+            self.fetching[request.request_id] = request
+            started.append(request)
+        return started
+
+    def fetch_done(self, request_id: int | str, ok: bool) -> Request | None:
+        """A read finished (`ok`) or failed; returns the request unless it was aborted meanwhile."""
+        request = self.fetching.pop(request_id)
+        if request.is_finished:
+            self.blocks.free(request.block_ids)
+            return None
+        self._requeue(request, arrived=ok)
+        return request
+
+    def _requeue(self, request: Request, arrived: bool) -> None:
+        if arrived:
+            request.kv_arrived()
+        else:
+            self.blocks.free(request.block_ids)
+            request.kv_lost()
+        keys = [r.arrival for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.arrival), request)
+
+    def release_held(self, request_id: int | str) -> bool:
+        """Prefill role: free a finished request's held blocks; False if none are held."""
+        block_ids = self.held.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.blocks.free(block_ids)
+        return True
 
     # ---- results --------------------------------------------------------------------------------
 

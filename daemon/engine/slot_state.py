@@ -52,7 +52,10 @@ class SlotState:
 
     def _insert(self, ins: SlotInsert) -> None:
         s = ins.slot
-        self.seq_len[s] = 0
+        self.seq_len[s] = ins.seq_len
+        if ins.drafts is not None:
+            self.last_token[s] = ins.last_token
+            self.drafts[s] = _fit(ins.drafts, self.k)
         self.out_len[s] = ins.output_ids.shape[0]
         self.max_tokens[s], self.min_tokens[s], self.keys[s] = ins.max_tokens, ins.min_tokens, ins.key
         self.stopped[s] = False
@@ -125,3 +128,12 @@ class SlotState:
         self.last_token[slots] = np.where(emitted, last, self.last_token[slots])
         self.out_len[slots] += num_emitted
         self.stopped[slots] |= has_end
+
+
+def _fit(drafts: np.ndarray, k: int) -> np.ndarray:
+    """Another instance's drafts cut or padded (with a valid id) to this engine's k: drafts are
+    only guesses, so this can lower acceptance but never change the output."""
+    out = np.zeros(k, np.int64)
+    n = min(k, drafts.shape[0])
+    out[:n] = drafts[:n]
+    return out

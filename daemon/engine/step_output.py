@@ -24,6 +24,7 @@ class StepOutput(NamedTuple):
     num_draft_tokens: np.ndarray | None = None  # [R] int64
     num_accepted_tokens: np.ndarray | None = None  # [R] int64
     seq: np.ndarray | None = None  # [R] int64, tokens each request emitted before this output (wire seq)
+    drafts: np.ndarray | None = None  # [R, k] int64, each request's next MTP drafts (a PD prefill sends them)
 
     @classmethod
     def empty(cls, step_id: int = -1) -> StepOutput:

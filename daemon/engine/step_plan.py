@@ -38,11 +38,19 @@ class SlotInsert:
     min_tokens: int
     stop_ids: tuple[int, ...]  # stop token ids, plus EOS unless ignore_eos
     num_logprobs: int  # -1: no logprobs; n >= 0: the emitted token's logprob plus the top n
+    # NOTE: a request whose prompt KV came from a prefill instance starts as if it had prefilled here.
+    seq_len: int = 0  # tokens with KV already in the slot's blocks
+    last_token: int = -1  # its first decode window's first token (with seq_len > 0)
+    drafts: np.ndarray | None = None  # [k] int64, that window's drafts
 
     @classmethod
     def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> SlotInsert:
         p = request.params
         stops = p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
+        start = {}
+        if request.remote_start is not None:
+            start = dict(seq_len=request.num_kv_tokens, last_token=request.remote_start[0],
+                         drafts=request.remote_start[1])
         return cls(slot=request.slot, key=int(rng.seed_to_key(request.seed)),
                    prompt_ids=request.prompt_ids,
                    output_ids=np.asarray(request.output_ids, dtype=np.int64),
@@ -50,7 +58,7 @@ class SlotInsert:
                    presence=p.presence_penalty, frequency=p.frequency_penalty,
                    repetition=p.repetition_penalty, max_tokens=p.max_tokens,
                    min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)),
-                   num_logprobs=-1 if p.logprobs is None else p.logprobs)
+                   num_logprobs=-1 if p.logprobs is None else p.logprobs, **start)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ class WireInsert(msgspec.Struct, array_like=True, frozen=True):
     prompt_ids: WireArray
     output_ids: WireArray
     stop_ids: tuple[int, ...]
+    drafts: WireArray | None = None  # a prefilled request's first drafts
 
 
 class WirePlan(msgspec.Struct, array_like=True, frozen=True):
@@ -45,7 +46,7 @@ class WirePlan(msgspec.Struct, array_like=True, frozen=True):
 
 _ARRAY_FIELDS = ("slots", "is_prefill", "num_tokens", "start_pos", "emits", "prefill_ids",
                  "prefill_next_ids")
-_INSERT_ARRAYS = ("prompt_ids", "output_ids", "stop_ids")
+_INSERT_ARRAYS = ("prompt_ids", "output_ids", "stop_ids", "drafts")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WirePlan)
 
@@ -66,10 +67,12 @@ def decode_plan(data: bytes | memoryview) -> StepPlan:
 
 def _wire_insert(ins: SlotInsert) -> WireInsert:
     scalars = {f.name: getattr(ins, f.name) for f in dataclasses.fields(ins) if f.name not in _INSERT_ARRAYS}
+    drafts = None if ins.drafts is None else WireArray.of(ins.drafts)
     return WireInsert(scalars, WireArray.of(ins.prompt_ids), WireArray.of(ins.output_ids),
-                      tuple(ins.stop_ids))
+                      tuple(ins.stop_ids), drafts)
 
 
 def _slot_insert(wire: WireInsert) -> SlotInsert:
     return SlotInsert(prompt_ids=wire.prompt_ids.array(), output_ids=wire.output_ids.array(),
-                      stop_ids=wire.stop_ids, **wire.scalars)
+                      stop_ids=wire.stop_ids, drafts=None if wire.drafts is None else wire.drafts.array(),
+                      **wire.scalars)

@@ -1,0 +1,181 @@
+"""PD in the engine core, two real engines in one process: a prefill core holds the prompt's KV, its
+blocks are copied into a decode core (here by numpy; across processes Mooncake reads them), and the
+decode core continues. Greedy output and first-token logprobs must equal one mixed engine's."""
+
+import time
+
+import numpy as np
+import pytest
+
+from mtpserve.engine.engine_core import EngineCore
+from mtpserve.engine.request import EngineRequest, FinishReason, RemoteKV, SamplingParams
+from test_model_runner import drafty_model, make_core, prompts
+
+K = 2
+MAX_TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def model():
+    return drafty_model()
+
+
+def buffers(core: EngineCore) -> list:
+    """The runner's KV tensors in docs/pd.md's order."""
+    runner = core.runner
+    main = [t for pair in zip(runner.kv.k, runner.kv.v) for t in pair]
+    depths = [t for d in (runner.proposer.kv if runner.proposer else []) for t in (d.k[0], d.v[0])]
+    return main + depths
+
+
+def copy_blocks(src: EngineCore, src_blocks, dst: EngineCore, dst_blocks) -> None:
+    bs = src.scheduler.config.block_size
+    rows = lambda blocks: np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in blocks])  # noqa: E731
+    for s, d in zip(buffers(src), buffers(dst), strict=True):
+        data = d.numpy()
+        data[rows(dst_blocks)] = s.numpy()[rows(src_blocks)]
+        d.set_value(data)
+
+
+def drain(core: EngineCore, outs: dict, extra: dict | None = None) -> None:
+    while core.has_unfinished_requests():
+        out = core.step()
+        for i, rid in enumerate(out.request_ids):
+            entry = outs.setdefault(rid, {"tokens": [], "logprobs": [], "reason": 0, "drafts": None})
+            entry["tokens"] += out.tokens_of(i).tolist()
+            entry["reason"] = int(out.finish_reasons[i])
+            if out.token_logprobs is not None and out.num_tokens[i]:
+                start = int(out.num_tokens[:i].sum())
+                entry["logprobs"] += out.token_logprobs[start:start + int(out.num_tokens[i])].tolist()
+            if out.drafts is not None:
+                entry["drafts"] = out.drafts[i].tolist()
+
+
+def params(max_tokens=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
+
+
+def prefill(core, texts):
+    for i, p in enumerate(texts):
+        core.add_request(EngineRequest(f"r{i}", p, params(1), hold_kv=True))
+    outs = {}
+    drain(core, outs)
+    return outs, {h.request_id: h for h in core.take_kv_holds()}
+
+
+def decode_requests(texts, first, deadline_s=30.0):
+    return [EngineRequest(f"r{i}", p, params(), remote=RemoteKV(
+        source=f"r{i}", first_token_id=first[f"r{i}"]["tokens"][0],
+        draft_token_ids=tuple(first[f"r{i}"]["drafts"]), deadline=time.time() + deadline_s))
+        for i, p in enumerate(texts)]
+
+
+def test_prefill_then_decode_equals_mixed(model):
+    texts = prompts(12, seed=3)
+    mixed = make_core(model, K)
+    for i, p in enumerate(texts):
+        mixed.add_request(EngineRequest(f"r{i}", p, params()))
+    want = {}
+    drain(mixed, want)
+    p_core, d_core = make_core(model, K), make_core(model, K)
+    first, holds = prefill(p_core, texts)
+    assert set(holds) == set(first)
+    for request in decode_requests(texts, first):
+        d_core.add_request(request)
+    fetches = d_core.start_kv_fetches()
+    assert [f.request_id for f in fetches] == [f"r{i}" for i in range(len(texts))]
+    for fetch in fetches:
+        copy_blocks(p_core, holds[fetch.source].block_ids, d_core, fetch.block_ids)
+        d_core.kv_fetched(fetch.request_id, ok=True)
+    got = {}
+    drain(d_core, got)
+    for rid, entry in want.items():
+        assert first[rid]["tokens"] + got[rid]["tokens"] == entry["tokens"], rid
+        assert first[rid]["logprobs"][0] == pytest.approx(entry["logprobs"][0], abs=1e-4)
+        assert got[rid]["reason"] == FinishReason.LENGTH
+    assert d_core.num_kv_fallbacks == 0
+    for rid in holds:
+        assert p_core.release_kv(rid)
+    for core in (p_core, d_core):
+        assert core.scheduler.blocks.num_used_blocks == 0
+        core.close()
+    mixed.close()
+
+
+def test_failed_or_late_read_recomputes_with_the_same_output(model):
+    texts = prompts(3, seed=5)
+    p_core, d_core = make_core(model, K), make_core(model, K)
+    first, holds = prefill(p_core, texts)
+    requests = decode_requests(texts, first)
+    requests[2] = EngineRequest("r2", texts[2], params(), remote=RemoteKV(
+        "r2", first["r2"]["tokens"][0], (), deadline=time.time() - 1))  # lease already over
+    for request in requests:
+        d_core.add_request(request)
+    fetches = d_core.start_kv_fetches()
+    assert [f.request_id for f in fetches] == ["r0", "r1"]
+    copy_blocks(p_core, holds["r0"].block_ids, d_core, fetches[0].block_ids)
+    d_core.kv_fetched("r0", ok=True)
+    d_core.kv_fetched("r1", ok=False)
+    got = {}
+    drain(d_core, got)
+    assert d_core.num_kv_fallbacks == 2
+    mixed = make_core(model, K)
+    for i, p in enumerate(texts):
+        mixed.add_request(EngineRequest(f"r{i}", p, params()))
+    want = {}
+    drain(mixed, want)
+    for rid in want:
+        assert first[rid]["tokens"] + got[rid]["tokens"] == want[rid]["tokens"]
+    assert d_core.scheduler.blocks.num_used_blocks == 0
+    for core in (p_core, d_core, mixed):
+        core.close()
+
+
+def test_abort_during_read_frees_blocks_when_the_read_returns(model):
+    texts = prompts(2, seed=7)
+    p_core, d_core = make_core(model, K), make_core(model, K)
+    first, _ = prefill(p_core, texts)
+    for request in decode_requests(texts, first):
+        d_core.add_request(request)
+    fetches = d_core.start_kv_fetches()
+    used = d_core.scheduler.blocks.num_used_blocks
+    assert used > 0
+    assert d_core.abort_request("r0") and d_core.abort_request("r1")
+    out = d_core.take_aborted()
+    assert sorted(out.request_ids) == ["r0", "r1"]
+    assert d_core.scheduler.blocks.num_used_blocks == used  # the read may still write into them
+    for fetch in fetches:
+        d_core.kv_fetched(fetch.request_id, ok=True)
+    assert d_core.scheduler.blocks.num_used_blocks == 0
+    assert not d_core.has_unfinished_requests()
+    for core in (p_core, d_core):
+        core.close()
+
+
+def test_held_kv_is_freed_by_release_abort_or_lease(model):
+    core = make_core(model, K)
+    texts = prompts(3, seed=9)
+    _, holds = prefill(core, texts)
+    assert len(holds) == 3 and core.scheduler.blocks.num_used_blocks > 0
+    assert core.release_kv("r0") and not core.release_kv("r0")
+    assert core.abort_request("r1")  # a client that left before the decode instance took it
+    assert core.expire_leases(now=time.monotonic()) == []
+    assert core.expire_leases(now=holds["r2"].deadline + 0.001) == ["r2"]
+    assert core.scheduler.blocks.num_used_blocks == 0
+    core.close()
+
+
+def test_a_first_token_that_stops_holds_nothing(model):
+    core = make_core(model, K)
+    text = prompts(1, seed=11)[0]
+    probe = make_core(model, K)
+    first, _ = prefill(probe, [text])
+    probe.close()
+    stop = first["r0"]["tokens"][0]
+    core.add_request(EngineRequest("r0", text, SamplingParams(temperature=0.0, max_tokens=1,
+                                                              stop_token_ids=(stop,)), hold_kv=True))
+    outs = {}
+    drain(core, outs)
+    assert outs["r0"]["reason"] == FinishReason.STOP
+    assert core.take_kv_holds() == [] and core.scheduler.blocks.num_used_blocks == 0
+    core.close()
