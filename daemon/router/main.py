@@ -1,0 +1,54 @@
+"""`mtpserve router --prefill URL... --decode URL...`: serve until SIGTERM/SIGINT, then stop listening
+and give in-flight requests `--drain-timeout` seconds before they are cut."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from mtpserve.router.app import make_app
+from mtpserve.router.config import RouterConfig, parse_args
+
+log = structlog.get_logger("mtpserve.router")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except SystemExit as exc:  # NOTE: --help (0) or a bad flag (2, message already printed)
+        return int(exc.code or 0)
+    _configure_logging(config)
+    uvloop.run(serve(config))
+    return 0
+
+
+async def serve(config: RouterConfig) -> None:
+    runner = web.AppRunner(make_app(config), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.drain_timeout)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    log.info("router listening", host=config.host, port=config.port, prefill=list(config.prefill_urls),
+             decode=list(config.decode_urls))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping")
+    await runner.cleanup()
+
+
+def _configure_logging(config: RouterConfig) -> None:
+    from mtpserve import log as logging_setup
+
+    logging_setup.configure(config.log_level, config.log_format, process="router")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Router metrics (Prometheus), one registry per app.
+
+Names: `mtpserve:router_requests_total{route,outcome}`, `mtpserve:router_backend_errors_total{role,url,kind}`,
+`mtpserve:router_time_to_first_token_seconds` (streams: arrival at the router to the first event
+written to the client), `mtpserve:router_kv_handoff_seconds` (streams: prefill's last event to the
+decode's first, i.e. the decode's KV read plus its first step), `mtpserve:router_releases_total{outcome}`,
+and gauges read at scrape time: `mtpserve:router_backend_in_flight{role,url}`,
+`mtpserve:router_backend_healthy{role,url}`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mtpserve.router.backends import Backend
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+# outcomes of one client request
+COMPLETED = "completed"  # prefill then decode, to the end
+PREFILL_ONLY = "prefill_only"  # the first token ended the request
+CLIENT_ERROR = "client_error"  # 4xx: refused by the router or passed through from a backend
+BACKEND_ERROR = "backend_error"  # 502/503, or an error event after the stream started
+DISCONNECTED = "disconnected"  # the client went away
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mtpserve:router_requests", "Client requests by route and outcome.",
+                                ["route", "outcome"], registry=self.registry)
+        self.backend_errors = Counter("mtpserve:router_backend_errors", "Failed backend calls.",
+                                      ["role", "url", "kind"], registry=self.registry)
+        self.ttft = Histogram("mtpserve:router_time_to_first_token_seconds",
+                              "Streams: router arrival to the first event sent to the client.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.handoff = Histogram("mtpserve:router_kv_handoff_seconds",
+                                 "Streams: prefill's kv_transfer_params to the decode's first event.",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.releases = Counter("mtpserve:router_releases", "POST /v1/pd/release calls by outcome.",
+                                ["outcome"], registry=self.registry)
+        self._in_flight = Gauge("mtpserve:router_backend_in_flight", "Requests in flight per backend.",
+                                ["role", "url"], registry=self.registry)
+        self._healthy = Gauge("mtpserve:router_backend_healthy", "1 when the backend's /health answered 200.",
+                              ["role", "url"], registry=self.registry)
+
+    def watch(self, backend: Backend) -> None:
+        """Gauges that read the backend's state when scraped (no bookkeeping on the request path)."""
+        self._in_flight.labels(backend.role, backend.url).set_function(lambda: backend.in_flight)
+        self._healthy.labels(backend.role, backend.url).set_function(lambda: float(backend.healthy))
+
+    def outcome(self, route: str, outcome: str) -> None:
+        self.requests.labels(route, outcome).inc()
+
+    def backend_error(self, backend: Backend, kind: str) -> None:
+        self.backend_errors.labels(backend.role, backend.url, kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,101 @@
+"""One streamed request through a prefill then a decode instance (docs/pd.md, steps 2-8).
+
+1. POST the body to the prefill; a 4xx is passed through, a failure is a 502/503 (nothing sent yet).
+2. Start the client's stream and relay the prefill's events, keeping back its `kv_transfer_params`
+   event (and a `[DONE]`, should it send one).
+3. No params: the first token ended the request; send `[DONE]`.
+4. POST the body plus the params to the decode and relay its events, `[DONE]` included.
+5. Release the prefill's KV after the decode's first event, or on any way out (failure, client
+   disconnect, cancellation), exactly once.
+A backend failure after step 2 ends the client's stream with an error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from aiohttp import web
+
+from mtpserve.router.backends import Backend, in_flight
+from mtpserve.router.client_stream import ClientStream
+from mtpserve.router.events import DONE, SseReader, is_error, kv_transfer_params
+from mtpserve.router.failures import BackendFailure, BackendRejected
+from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, COMPLETED, DISCONNECTED, PREFILL_ONLY, RouterMetrics
+from mtpserve.router.stages import ReleaseOnce, Stages, passthrough
+
+
+class Result(NamedTuple):
+    response: web.StreamResponse
+    outcome: str
+
+
+class PrefillEnd(NamedTuple):
+    kv: dict | None  # None: the request ended at the prefill
+    had_error: bool  # the prefill sent an error event
+
+
+async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, decode: Backend,
+                    metrics: RouterMetrics) -> Result:
+    client = ClientStream(request, metrics)
+    release: ReleaseOnce | None = None
+    try:
+        end = await _prefill(stages, prefill, client)
+        if end.kv is None:
+            return Result(await client.finish(send_done=True), BACKEND_ERROR if end.had_error else PREFILL_ONLY)
+        release = stages.release_once(prefill, end.kv)
+        await _decode(stages, decode, end.kv, client, release, metrics)
+        return Result(await client.finish(send_done=False), COMPLETED)
+    except BackendRejected as rejected:
+        if not client.started:
+            return Result(passthrough(rejected), CLIENT_ERROR)
+        return Result(await client.fail(rejected.error_body()), BACKEND_ERROR)
+    except BackendFailure as failure:
+        if not client.started:
+            raise failure.api_error() from failure
+        return Result(await client.fail(failure.api_error().body()), BACKEND_ERROR)
+    except ConnectionError:  # NOTE: a write to our client failed: it left
+        return Result(client.response, DISCONNECTED)
+    finally:
+        if release is not None:
+            release()
+
+
+async def _prefill(stages: Stages, prefill: Backend, client: ClientStream) -> PrefillEnd:
+    with in_flight(prefill):
+        async with stages.post(prefill, stream=True) as response:
+            await client.start(response.headers.get("X-Request-Id"))
+            return await _relay_prefill(SseReader(response, prefill), client)
+
+
+async def _relay_prefill(reader: SseReader, client: ClientStream) -> PrefillEnd:
+    kv, had_error = None, False
+    while (batch := await reader.next_batch()) is not None:
+        kept = []
+        for event in batch:
+            params = kv_transfer_params(event)
+            if params is not None:
+                kv = params
+            elif event != DONE:
+                kept.append(event)
+                had_error = had_error or is_error(event)
+        if kept:
+            await client.write(b"".join(kept))
+    return PrefillEnd(kv, had_error)
+
+
+async def _decode(stages: Stages, decode: Backend, kv: dict, client: ClientStream, release: ReleaseOnce,
+                  metrics: RouterMetrics) -> None:
+    handed_off = time.monotonic()
+    async with stages.post(decode, stream=True, kv=kv) as response:
+        reader = SseReader(response, decode)
+        batch = await reader.next_batch()
+        release()
+        metrics.handoff.observe(time.monotonic() - handed_off)
+        while batch is not None:
+            if DONE in batch:
+                await client.write(b"".join(batch[:batch.index(DONE) + 1]))
+                return
+            await client.write(b"".join(batch))
+            batch = await reader.next_batch()
+    raise BackendFailure(decode, "truncated", "ended its stream without [DONE]")

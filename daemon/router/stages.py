@@ -1,0 +1,61 @@
+"""The two backend calls of one request: their headers and bodies, and the one release it owes.
+
+Both stages get the client's body (with its seed) and its Authorization header; the decode stage's
+body adds `kv_transfer_params`. The header `X-PD-Stage` tells the instance which half to do.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from mtpserve.router.backends import Backend
+from mtpserve.router.failures import BackendFailure, BackendRejected
+from mtpserve.router.upstream import Upstream
+
+STAGE_HEADER = "X-PD-Stage"
+
+
+class Stages:
+    def __init__(self, upstream: Upstream, request: web.Request, body: dict) -> None:
+        self.upstream = upstream
+        self.body = body
+        self._path = request.path
+        self.authorization = request.headers.get("Authorization")
+
+    def post(self, backend: Backend, stream: bool,
+             kv: dict | None = None) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """The prefill call without `kv`, the decode call with it."""
+        body = self.body if kv is None else {**self.body, "kv_transfer_params": kv}
+        headers = {"Content-Type": "application/json", STAGE_HEADER: backend.role}
+        if self.authorization:
+            headers["Authorization"] = self.authorization
+        return self.upstream.post(backend, self._path, msgspec.json.encode(body), headers, stream)
+
+    def release_once(self, prefill: Backend, kv: dict) -> ReleaseOnce:
+        transfer_id = kv.get("transfer_id")
+        if not isinstance(transfer_id, int) or isinstance(transfer_id, bool):
+            raise BackendFailure(prefill, "bad_body", "kv_transfer_params without an integer transfer_id")
+        return ReleaseOnce(self.upstream, prefill, transfer_id, self.authorization)
+
+
+class ReleaseOnce:
+    """Calling it sends POST /v1/pd/release the first time and does nothing afterwards."""
+
+    def __init__(self, upstream: Upstream, prefill: Backend, transfer_id: int, authorization: str | None) -> None:
+        self._args = (prefill, transfer_id, authorization)
+        self._upstream: Upstream | None = upstream
+
+    def __call__(self) -> None:
+        if self._upstream is not None:
+            upstream, self._upstream = self._upstream, None
+            upstream.release(*self._args)
+
+
+def passthrough(rejected: BackendRejected) -> web.Response:
+    """The backend's 4xx answer, status and body unchanged."""
+    return web.Response(status=rejected.status, body=rejected.body,
+                        content_type=rejected.content_type or "application/json")
