@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from mtpserve.ipc.request_channel import EngineReady, RequestChannelClient
-from mtpserve.server import routes_chat, routes_completions, routes_misc
+from mtpserve.server import routes_chat, routes_completions, routes_misc, routes_pd
 from mtpserve.server.context import CONTEXT, HttpSettings, ServerContext
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
@@ -40,7 +40,7 @@ def make_app(settings: HttpSettings, text: TextModel, runtime_dir: Path, open_ou
                                  EngineHealth(settings.heartbeat_timeout), TokenTextCache(text))
     app.cleanup_ctx.append(_engine_connection(runtime_dir, open_output))
     app.on_shutdown.append(_start_draining)
-    for routes in (routes_completions, routes_chat, routes_misc):
+    for routes in (routes_completions, routes_chat, routes_misc, routes_pd):
         routes.add_routes(app)
     return app
 
@@ -69,6 +69,12 @@ async def _connect(ctx: ServerContext, runtime_dir: Path, open_output: OpenOutpu
     except (TimeoutError, OSError) as exc:
         ctx.health.dead(f"engine did not become ready: {exc}")
         log.error("engine not ready", error=str(exc))
+        return
+    if ready.role != ctx.settings.pd_role:  # NOTE: both come from one config; a mismatch is a wiring bug
+        ctx.health.dead(f"engine role {ready.role!r} is not the configured pd.role {ctx.settings.pd_role!r}")
+        log.error("engine role mismatch", engine_role=ready.role, pd_role=ctx.settings.pd_role)
+        await output.close()
+        await channel.close()
         return
     s = ctx.settings
     ctx.limits = RequestLimits(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_n=s.max_n,

@@ -11,8 +11,11 @@ from mtpserve.server.logprobs import chat_logprobs
 
 
 class ChatFormat:
-    def __init__(self, model: str, cache: TokenTextCache, num_choices: int) -> None:
-        self._id = f"chatcmpl-{uuid.uuid4().hex}"
+    def __init__(self, model: str, cache: TokenTextCache, num_choices: int, id_suffix: str | None = None,
+                 with_role: bool = True) -> None:
+        """with_role: False when the stream continues one that already sent the role (PD decode)."""
+        self._id = f"chatcmpl-{id_suffix or uuid.uuid4().hex}"
+        self._with_role = with_role
         self._created = int(time.time())
         self._model = model
         self._cache = cache
@@ -27,6 +30,8 @@ class ChatFormat:
 
     def opening_chunks(self) -> list[dict]:
         """The first chunk of each choice carries the role (OpenAI's stream shape)."""
+        if not self._with_role:
+            return []
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._num_choices)]
 
     def chunk(self, update: ChoiceUpdate) -> dict:

@@ -3,6 +3,11 @@
 `apply` takes the deltas that arrived since the last call (coalesced: a slow client gets fewer,
 larger chunks) and returns what to send. A stop string cuts the tokens after the one that completed
 it, so logprob entries and usage always count the same tokens the text came from.
+
+PD (docs/pd.md): a prefill choice (`hold_kv`) whose one token ends with LENGTH `continues` on a decode
+instance: its update shows no finish and nothing held back is flushed (an incomplete character or a
+possible stop-string start stays unsent). The decode choice is `prime`d with that token, so its
+detokenizer and stop matcher hold the same tail and send it once it is complete (or cut it).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class Timed(NamedTuple):
 
 class ChoiceState:
     def __init__(self, index: int, engine_id: int, detokenizer: IncrementalDetokenizer,
-                 stops: StopStringMatcher, top_width: int | None, metrics: ServerMetrics, arrival: float) -> None:
-        """top_width: top-k entries per token to return; None when the request asked for no logprobs."""
+                 stops: StopStringMatcher, top_width: int | None, metrics: ServerMetrics, arrival: float,
+                 hold_kv: bool = False) -> None:
+        """top_width: top-k entries per token to return; None when the request asked for no logprobs.
+        hold_kv: PD prefill; a LENGTH finish of the first token means the request continues elsewhere."""
         self.index, self.engine_id = index, engine_id
         self._detok, self._stop = detokenizer, stops
         self._top_width, self._metrics = top_width, metrics
@@ -47,6 +54,11 @@ class ChoiceState:
         self.num_generated = 0  # tokens the engine sent, including any cut by a stop string
         self.finish_reason: str | None = None
         self.stopped_by_string = False
+        self.hold_kv = hold_kv
+        self.continues = False  # PD prefill: finished here, continued by a decode instance
+        self.first_token_id: int | None = None
+        self.draft_ids: list[int] | None = None  # PD prefill: the MTP drafts after the first token
+        self.prior_text = ""  # PD decode: text of the first token, sent by the prefill instance
 
     @property
     def finished(self) -> bool:
@@ -60,19 +72,34 @@ class ChoiceState:
         if merged.finish_reason == "error":
             self._finish("abort")
             raise ApiError(500, "The engine failed while generating this request.", code="engine_error")
+        self._note_first(merged)
         text, keep = self._text_and_kept(merged.token_ids)
         finish = "stop" if self._stop.hit else merged.finish_reason
-        if finish is not None and not self._stop.hit:
+        self.continues = finish == "length" and self.hold_kv
+        if finish is not None and not self._stop.hit and not self.continues:
             text += self._stop.feed(self._detok.flush()) + self._stop.flush()
         self.num_tokens += keep
         if finish is not None:
             self._finish(finish)
-        return self._update(merged, text, keep, finish)
+        return self._update(merged, text, keep, None if self.continues else finish)
+
+    def prime(self, first_token_id: int) -> None:
+        """PD decode: the prefill instance generated (and the router sent) the first token. Count it
+        and feed it to the detokenizer and stop strings; its text (`prior_text`) is not sent again
+        (`stopped_by_string` tells whether it already completed a stop string)."""
+        self.first_token_id = first_token_id
+        self.prior_text, _ = self._text_and_kept([first_token_id])
+        self.num_tokens = self.num_generated = self.num_steps = 1
+        self.first_token_at = self._last_at = self.arrival
 
     def abort(self) -> None:
         """The HTTP side gave up on this choice (client gone, stream error)."""
         if not self.finished:
             self._finish("abort")
+
+    def _note_first(self, merged: TokenDelta) -> None:
+        if self.first_token_id is None and merged.token_ids:
+            self.first_token_id, self.draft_ids = merged.token_ids[0], merged.draft_ids
 
     def _text_and_kept(self, token_ids: list[int]) -> tuple[str, int]:
         mark = self._detok.mark()
@@ -126,6 +153,7 @@ def _merge(deltas: list[TokenDelta]) -> TokenDelta:
         None if first.top_ids is None else [r for d in deltas for r in d.top_ids or ()],
         None if first.top_logprobs is None else [r for d in deltas for r in d.top_logprobs or ()],
         next((d.finish_reason for d in deltas if d.finish_reason is not None), None),
+        next((d.draft_ids for d in deltas if d.draft_ids is not None), None),
     )
 
 

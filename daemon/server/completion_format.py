@@ -11,13 +11,15 @@ from mtpserve.server.logprobs import completion_logprobs
 
 
 class CompletionFormat:
-    def __init__(self, model: str, cache: TokenTextCache, echo_texts: list[str] | None, n: int) -> None:
-        self._head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    def __init__(self, model: str, cache: TokenTextCache, echo_texts: list[str] | None, n: int,
+                 id_suffix: str | None = None, text_offsets: dict[int, int] | None = None) -> None:
+        """text_offsets: choice index -> characters already sent elsewhere (PD decode: the first token)."""
+        self._head = {"id": f"cmpl-{id_suffix or uuid.uuid4().hex}", "object": "text_completion",
                       "created": int(time.time()), "model": model}
         self._cache = cache
         self._echo = echo_texts  # [num_prompts] prompt texts when `echo`
         self._n = n
-        self._offsets: dict[int, int] = {}  # choice index -> text length sent so far
+        self._offsets: dict[int, int] = dict(text_offsets or {})  # choice index -> text length sent so far
 
     @property
     def response_id(self) -> str:

@@ -29,6 +29,8 @@ class HttpSettings:
     max_prompts: int = 64
     engine_ready_timeout: float = 600.0
     heartbeat_timeout: float = 10.0
+    pd_role: str = "mixed"  # [pd] role: mixed, prefill or decode (docs/pd.md)
+    kv_lease_timeout: float = 30.0  # [pd]: how long a prefill waits for its engine's KVHeld at most
 
 
 @dataclass

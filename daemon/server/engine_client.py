@@ -3,6 +3,8 @@ loops that feed the tracker: control messages from the request channel, deltas f
 
 Request path: route -> `submit` -> AddRequest per choice -> engine -> output path -> `_output_loop`
 -> Tracker.dispatch -> RequestStream -> route (`next_updates`) -> `release` (AbortRequest if needed).
+PD (docs/pd.md): a prefill request's KVHeld comes through `_control_loop` into the same stream; the
+KV of a prefill request whose kv_transfer_params were never answered is released with the stream.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import msgspec
 import structlog
 
 from mtpserve.ipc.request_channel import (
-    AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, RequestChannelClient, RequestFailed,
-    SamplingParams,
+    AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, KVHeld, ReleaseKV, RemotePrefill,
+    RequestChannelClient, RequestFailed, SamplingParams,
 )
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate
 from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
@@ -40,6 +42,8 @@ class GenerateRequest(NamedTuple):
     arrival: float  # time.monotonic() when the HTTP request arrived
     skip_special_tokens: bool = True
     include_stop_str: bool = False
+    hold_kv: bool = False  # PD prefill: keep the KV after the first token (docs/pd.md)
+    remote: RemotePrefill | None = None  # PD decode: the prompt was prefilled by another instance
 
 
 class EngineClient:
@@ -71,14 +75,15 @@ class EngineClient:
         """Register the choices and send them to the engine; 503 when not serving, 429 when full."""
         num_choices = len(req.prompts) * req.n
         self._check_admission(num_choices)
-        stream = RequestStream(self._make_choices(req), [len(p) for p in req.prompts])
+        stream = RequestStream(self._make_choices(req), req.prompts)
+        if req.remote is not None:
+            _prime(stream, req.remote.first_token_id)
         self.tracker.register(stream)
         try:
             for choice in stream.choices:
-                prompt = req.prompts[choice.index // req.n]
-                self._channel.send(AddRequest(request_id=choice.engine_id, prompt_token_ids=prompt,
-                                              sampling=_params_for(req.params, choice.index % req.n),
-                                              arrival_time=time.time()))
+                if req.remote is not None:
+                    self._output.expect_seq(choice.engine_id, 1)  # the first token was seq 0, on the prefill
+                self._channel.send(_add_request(req, choice))
         except ChannelClosed:
             self.tracker.unregister(stream)
             raise ApiError(503, "The engine is not available.", code="engine_unavailable") from None
@@ -95,14 +100,23 @@ class EngineClient:
         return updates
 
     def release(self, stream: RequestStream) -> None:
-        """Forget the stream; abort what the engine may still be running (client gone, error, stop)."""
+        """Forget the stream; abort what the engine may still be running (client gone, error, stop)
+        and free the KV a prefill engine may hold for it when no decode instance was told about it."""
         to_abort = [c.engine_id for c in stream.choices if not c.finished]
+        to_release = [c.engine_id for c in stream.choices if _may_hold_kv(c, stream)]
         for choice in stream.choices:
             choice.abort()
         self.tracker.unregister(stream)
         self._metrics.http_active.set(self.tracker.num_active)
         if to_abort:
             self._send_abort(to_abort)
+        if to_release:
+            self.release_kv(to_release)
+
+    def release_kv(self, engine_ids: list[int]) -> None:
+        """PD prefill: free held KV blocks (`POST /v1/pd/release`, or nobody will read them)."""
+        with contextlib.suppress(ChannelClosed):
+            self._channel.send(ReleaseKV(request_ids=engine_ids))
 
     def _send_abort(self, engine_ids: list[int]) -> None:
         with contextlib.suppress(ChannelClosed):
@@ -124,7 +138,8 @@ class EngineClient:
     def _make_choices(self, req: GenerateRequest) -> list[ChoiceState]:
         width = req.params.logprobs  # None: the request wants no logprobs
         return [ChoiceState(index, next(self._ids), IncrementalDetokenizer(self._decoder, req.skip_special_tokens),
-                            StopStringMatcher(req.stops, req.include_stop_str), width, self._metrics, req.arrival)
+                            StopStringMatcher(req.stops, req.include_stop_str), width, self._metrics, req.arrival,
+                            req.hold_kv)
                 for index in range(len(req.prompts) * req.n)]
 
     async def _control_loop(self) -> None:
@@ -137,8 +152,12 @@ class EngineClient:
             log.exception("control loop failed")
             self._engine_gone(f"control loop failed ({type(exc).__name__}: {exc})")
 
-    def _on_control(self, msg: EngineReady | EngineStats | RequestFailed) -> None:
-        if isinstance(msg, EngineStats):
+    def _on_control(self, msg: EngineReady | EngineStats | RequestFailed | KVHeld) -> None:
+        if isinstance(msg, KVHeld):
+            if not self.tracker.kv_held(msg):
+                log.info("releasing KV held for a finished request", request_id=msg.request_id)
+                self.release_kv([msg.request_id])
+        elif isinstance(msg, EngineStats):
             self._metrics.observe_engine_stats(msg)
             self.health.heard(msg)
         elif isinstance(msg, RequestFailed):
@@ -158,6 +177,28 @@ class EngineClient:
     def _engine_gone(self, reason: str) -> None:
         self.health.dead(reason)
         self.tracker.fail_all(ApiError(503, f"The engine stopped: {reason}", code="engine_dead"))
+
+
+def _add_request(req: GenerateRequest, choice: ChoiceState) -> AddRequest:
+    return AddRequest(request_id=choice.engine_id, prompt_token_ids=req.prompts[choice.index // req.n],
+                      sampling=_params_for(req.params, choice.index % req.n), arrival_time=time.time(),
+                      hold_kv=req.hold_kv, remote_prefill=req.remote)
+
+
+def _prime(stream: RequestStream, first_token_id: int) -> None:
+    """PD decode: every choice starts after the prefill's first token (a 400 if that already stopped)."""
+    for choice in stream.choices:
+        choice.prime(first_token_id)
+        if choice.stopped_by_string:
+            raise ApiError(400, "The first token in `kv_transfer_params` already completes a stop string; "
+                           "the prefill instance ends such requests itself.", param="kv_transfer_params",
+                           code="invalid_value")
+
+
+def _may_hold_kv(choice: ChoiceState, stream: RequestStream) -> bool:
+    """A prefill engine keeps the KV unless the request stopped there (EOS or a stop token)."""
+    engine_stopped = choice.finish_reason == "stop" and not choice.stopped_by_string
+    return choice.hold_kv and choice.engine_id not in stream.handed_off and not engine_stopped
 
 
 def _params_for(params: SamplingParams, sample_index: int) -> SamplingParams:

@@ -2,6 +2,10 @@
 
 Both paths release the stream in `finally`: a client that disconnects (the handler is cancelled,
 or a write fails) aborts its engine requests, streaming or not.
+
+PD prefill (`handoff`): when the first token does not end the request, the answer ends with the
+`kv_transfer_params` instead of usage and `[DONE]` (streamed: a last `data:` event; otherwise a
+top-level field), and the stream is marked handed off so that its KV is not released with it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from aiohttp import web
 from mtpserve.server.choice import ChoiceUpdate
 from mtpserve.server.engine_client import EngineClient
 from mtpserve.server.errors import ApiError
-from mtpserve.server.schema import StreamOptions
+from mtpserve.server.pd_prefill import Handoff
+from mtpserve.server.schema import SamplingFields, StreamOptions
 from mtpserve.server.sse import SseWriter
 from mtpserve.server.tracker import RequestStream
 from mtpserve.server.usage import usage
@@ -31,13 +36,17 @@ class ResponseFormat(Protocol):
 
 
 async def stream_response(request: web.Request, engine: EngineClient, stream: RequestStream,
-                          fmt: ResponseFormat, options: StreamOptions | None) -> web.StreamResponse:
+                          fmt: ResponseFormat, options: StreamOptions | None,
+                          handoff: Handoff | None = None) -> web.StreamResponse:
     writer = SseWriter(request)
     writer.response.headers["X-Request-Id"] = fmt.response_id
     bind_request(fmt.response_id)
     try:
         await writer.start()
         await _send_chunks(writer, engine, stream, fmt, options)
+        params = await handoff.params(engine, stream) if handoff is not None else None
+        if params is not None:
+            return await _send_handoff(writer, stream, params)
         if options is not None and options.include_usage:
             await writer.send(fmt.usage_chunk(usage(stream, engine.ready.num_speculative_tokens)))
         return await writer.finish()
@@ -67,6 +76,23 @@ async def _send_chunks(writer: SseWriter, engine: EngineClient, stream: RequestS
             await writer.send_many([_with_usage(c, with_usage, now_usage) for c in chunks])
 
 
+async def _send_handoff(writer: SseWriter, stream: RequestStream, params: dict) -> web.StreamResponse:
+    """The last event of a prefill's answer; no usage chunk and no [DONE] (the decode instance's come)."""
+    await writer.send({"kv_transfer_params": params})
+    stream.handed_off.add(params["transfer_id"])
+    await writer.response.write_eof()
+    return writer.response
+
+
+async def respond(request: web.Request, engine: EngineClient, stream: RequestStream, fmt: ResponseFormat,
+                  req: SamplingFields, prefill: bool, kv_wait_timeout: float) -> web.StreamResponse:
+    """Stream or collect, as the body asked; a PD prefill answers with its kv_transfer_params."""
+    handoff = Handoff(engine.ready, kv_wait_timeout) if prefill else None
+    if req.stream:
+        return await stream_response(request, engine, stream, fmt, req.stream_options, handoff)
+    return await collect_response(engine, stream, fmt, handoff)
+
+
 def bind_request(response_id: str) -> None:
     """Every later log line of this handler's task carries the request id (tasks copy contexts)."""
     structlog.contextvars.bind_contextvars(request_id=response_id)
@@ -78,18 +104,24 @@ def _with_usage(chunk: dict, with_usage: bool, value: dict | None) -> dict:
     return chunk
 
 
-async def collect_response(engine: EngineClient, stream: RequestStream, fmt: ResponseFormat) -> web.Response:
+async def collect_response(engine: EngineClient, stream: RequestStream, fmt: ResponseFormat,
+                           handoff: Handoff | None = None) -> web.Response:
     collected: dict[int, list[ChoiceUpdate]] = {c.index: [] for c in stream.choices}
     bind_request(fmt.response_id)
     try:
         while not stream.finished:
             for update in await engine.next_updates(stream):
                 collected[update.index].append(update)
+        params = await handoff.params(engine, stream) if handoff is not None else None
+        if params is not None:
+            stream.handed_off.add(params["transfer_id"])
     finally:
         engine.release(stream)
     merged = [merge_updates(index, parts) for index, parts in sorted(collected.items())]
-    return web.json_response(fmt.body(merged, usage(stream, engine.ready.num_speculative_tokens)),
-                             headers={"X-Request-Id": fmt.response_id})
+    body = fmt.body(merged, usage(stream, engine.ready.num_speculative_tokens))
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return web.json_response(body, headers={"X-Request-Id": fmt.response_id})
 
 
 def merge_updates(index: int, parts: list[ChoiceUpdate]) -> ChoiceUpdate:

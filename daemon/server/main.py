@@ -39,7 +39,8 @@ def settings_from(config: Config) -> HttpSettings:
         max_concurrent_requests=s.max_concurrent_requests, max_body_bytes=s.max_body_bytes,
         max_top_logprobs=s.max_top_logprobs, engine_ready_timeout=s.engine_ready_timeout,
         heartbeat_timeout=s.heartbeat_timeout, max_n=s.max_n, max_stop_strings=s.max_stop_strings,
-        max_prompts=s.max_prompts_per_request)
+        max_prompts=s.max_prompts_per_request, pd_role=config.pd.role,
+        kv_lease_timeout=config.pd.kv_lease_timeout)
 
 
 def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:

@@ -44,6 +44,12 @@ class FrameOutputSource:
             if frame.kind in _TOKEN_KINDS:
                 return to_deltas(frame)
 
+    def expect_seq(self, request_id: int, start: int) -> None:
+        # NOTE: called on the loop thread before the AddRequest leaves, so no frame of this request
+        # can be in flight; under SysV the reader's tracker also runs on its receive thread (see report)
+        if self._reader.tracker is not None:
+            self._reader.tracker.expect(request_id, start)
+
     async def close(self) -> None:
         await self._reader.close()
         self._channel.close()
@@ -57,7 +63,7 @@ def to_deltas(frame: StepOutput) -> list[TokenDelta]:
 
 def _delta(row: RequestOutput, finish: str | None) -> TokenDelta:
     # NOTE: a seq gap means tokens were lost: the request fails loudly instead of showing wrong text
-    return TokenDelta(row.req_id, row.token_ids, row.logprobs, row.top_ids, row.top_logprobs, finish)
+    return TokenDelta(row.req_id, row.token_ids, row.logprobs, row.top_ids, row.top_logprobs, finish, row.draft_ids)
 
 
 async def open_output(ready: EngineReady) -> FrameOutputSource:

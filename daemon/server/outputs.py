@@ -20,6 +20,7 @@ class TokenDelta(NamedTuple):
     top_ids: list[list[int]] | None = None  # [T][K] top-k token ids per emitted token
     top_logprobs: list[list[float]] | None = None  # [T][K]
     finish_reason: str | None = None  # one of FINISH_REASONS on the request's last delta
+    draft_ids: list[int] | None = None  # FIRST_TOKEN frames (PD prefill): the k MTP drafts after the token
 
 
 class OutputClosed(ConnectionError):
@@ -29,5 +30,9 @@ class OutputClosed(ConnectionError):
 class OutputSource(Protocol):
     async def next_batch(self) -> list[TokenDelta]:
         """The next step's deltas; raises OutputClosed when the engine is gone."""
+
+    def expect_seq(self, request_id: int, start: int) -> None:
+        """The first frame of this request will carry `seq == start` (PD decode: the first token came
+        from the prefill instance, so the engine starts at seq 1)."""
 
     async def close(self) -> None: ...

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions (prompt rendered with the model's chat template)."""
+"""POST /v1/chat/completions (prompt rendered with the model's chat template; PD: pd_plan.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from aiohttp import web
 from mtpserve.server.chat_format import ChatFormat
 from mtpserve.server.context import CONTEXT
 from mtpserve.server.engine_client import GenerateRequest
-from mtpserve.server.generation import collect_response, stream_response
+from mtpserve.server.generation import respond
+from mtpserve.server.pd_plan import plan_pd
 from mtpserve.server.prompts import tokenize_chat
+from mtpserve.server.response_id import response_suffix
 from mtpserve.server.routes_completions import check_model
 from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import ChatCompletionRequest, decode_body
@@ -23,15 +25,18 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(req.model, ctx.settings.model_name)
     engine, limits = ctx.require_engine()
     check_fields(req, limits)
-    prompt_ids = await tokenize_chat(req.messages, req.add_generation_prompt, ctx.text, limits)
-    params = to_sampling_params(req, len(prompt_ids), limits)
+    pd = plan_pd(req, ctx.settings.pd_role, engine.ready, limits)
+    if pd.remote is None:
+        prompt_ids = await tokenize_chat(req.messages, req.add_generation_prompt, ctx.text, limits)
+    else:  # NOTE: the prefill instance's rendering, not re-rendered (the template may not be stable)
+        prompt_ids = pd.prompt_ids
+    params, hold_kv = pd.sampling(to_sampling_params(req, len(prompt_ids), limits))
     n = req.n or 1
     stream = engine.submit(GenerateRequest([prompt_ids], params, n, stop_strings(req), arrival,
-                                          **text_options(req)))
-    fmt = ChatFormat(ctx.settings.model_name, ctx.token_texts, n)
-    if req.stream:
-        return await stream_response(request, engine, stream, fmt, req.stream_options)
-    return await collect_response(engine, stream, fmt)
+                                          **text_options(req), hold_kv=hold_kv, remote=pd.remote))
+    fmt = ChatFormat(ctx.settings.model_name, ctx.token_texts, n, response_suffix(request.headers),
+                     with_role=pd.remote is None)
+    return await respond(request, engine, stream, fmt, req, pd.prefill, ctx.settings.kv_lease_timeout)
 
 
 def add_routes(app: web.Application) -> None:

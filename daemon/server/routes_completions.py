@@ -1,4 +1,4 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (under PD, also a prefill's first token or a decode's continuation: pd_plan.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from mtpserve.server.completion_format import CompletionFormat
 from mtpserve.server.context import CONTEXT
 from mtpserve.server.engine_client import GenerateRequest
 from mtpserve.server.errors import model_not_found
-from mtpserve.server.generation import collect_response, stream_response
-from mtpserve.server.prompts import tokenize_prompts
+from mtpserve.server.generation import respond
+from mtpserve.server.pd_plan import plan_pd
+from mtpserve.server.prompts import Prompts, tokenize_prompts
+from mtpserve.server.response_id import response_suffix
 from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import CompletionRequest, decode_body
 
@@ -28,15 +30,20 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     check_model(req.model, ctx.settings.model_name)
     engine, limits = ctx.require_engine()
     check_fields(req, limits)
-    prompts = await tokenize_prompts(req.prompt, ctx.text, limits)
-    params = to_sampling_params(req, max(map(len, prompts.token_ids)), limits)
+    pd = plan_pd(req, ctx.settings.pd_role, engine.ready, limits)
+    if pd.remote is None:
+        prompts = await tokenize_prompts(req.prompt, ctx.text, limits)
+    else:  # NOTE: the prefill instance's tokens, not re-tokenized; its answer already echoed the prompt
+        prompts = Prompts([pd.prompt_ids], [""])
+    pd.check_num_prompts(len(prompts.token_ids))
+    params, hold_kv = pd.sampling(to_sampling_params(req, max(map(len, prompts.token_ids)), limits))
     n = req.n or 1
     stream = engine.submit(GenerateRequest(prompts.token_ids, params, n, stop_strings(req), arrival,
-                                          **text_options(req)))
-    fmt = CompletionFormat(ctx.settings.model_name, ctx.token_texts, prompts.texts if req.echo else None, n)
-    if req.stream:
-        return await stream_response(request, engine, stream, fmt, req.stream_options)
-    return await collect_response(engine, stream, fmt)
+                                          **text_options(req), hold_kv=hold_kv, remote=pd.remote))
+    echo = prompts.texts if req.echo and pd.remote is None else None
+    fmt = CompletionFormat(ctx.settings.model_name, ctx.token_texts, echo, n, response_suffix(request.headers),
+                           {c.index: len(c.prior_text) for c in stream.choices})
+    return await respond(request, engine, stream, fmt, req, pd.prefill, ctx.settings.kv_lease_timeout)
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,12 +10,26 @@ from typing import Literal, Union
 
 import msgspec
 
+from mtpserve.ipc.request_channel import KVLayout
 from mtpserve.server.errors import from_decode_error
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """What a prefill instance answered (docs/pd.md); a decode instance continues the request from it."""
+
+    transfer_id: int
+    kv_session: str
+    kv_layout: KVLayout
+    block_ids: list[int]
+    prompt_token_ids: list[int]
+    first_token_id: int
+    draft_token_ids: list[int]
+    lease_expires_in: float
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -48,6 +62,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     response_format: dict | None = None
     prompt_logprobs: int | None = None
     tools: list | None = None
+    kv_transfer_params: KVTransferParams | None = None  # PD: sent by the router to a decode instance
 
 
 # NOTE: msgspec allows one array type per union, so list shapes are told apart in sampling.py.

@@ -9,24 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
+from mtpserve.ipc.request_channel import KVHeld
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate, Timed
 from mtpserve.server.errors import ApiError
 from mtpserve.server.outputs import TokenDelta
 
 
+class HeldKV(NamedTuple):
+    """PD prefill: the engine's KVHeld and when it arrived (the lease runs from then)."""
+
+    arrived: float  # time.monotonic()
+    msg: KVHeld
+
+
 class RequestStream:
-    def __init__(self, choices: list[ChoiceState], num_prompt_tokens: list[int]) -> None:
+    def __init__(self, choices: list[ChoiceState], prompts: list[list[int]]) -> None:
         self.choices = choices
         self.by_engine_id = {c.engine_id: c for c in choices}
-        self.num_prompt_tokens = num_prompt_tokens  # [num_prompts]
-        self._queue: asyncio.Queue[Timed | ApiError] = asyncio.Queue()
+        self.prompts = prompts  # [num_prompts][prompt_len] token ids as sent to the engine
+        self.num_prompt_tokens = [len(p) for p in prompts]  # [num_prompts]
+        self.held: dict[int, HeldKV] = {}  # engine id -> KV the prefill engine holds for it
+        self.handed_off: set[int] = set()  # engine ids whose kv_transfer_params were answered
+        self._queue: asyncio.Queue[Timed | HeldKV | ApiError] = asyncio.Queue()
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
-    def put(self, item: Timed | ApiError) -> None:
+    def put(self, item: Timed | HeldKV | ApiError) -> None:
         self._queue.put_nowait(item)
 
     async def next_updates(self) -> list[ChoiceUpdate]:
@@ -36,13 +48,16 @@ class RequestStream:
             items.append(self._queue.get_nowait())
         return self._apply(items)
 
-    def _apply(self, items: list[Timed | ApiError]) -> list[ChoiceUpdate]:
+    def _apply(self, items: list[Timed | HeldKV | ApiError]) -> list[ChoiceUpdate]:
         failure = next((i for i in items if isinstance(i, ApiError)), None)
         if failure is not None:
             raise failure
         grouped: dict[int, list[Timed]] = {}
         for item in items:
-            grouped.setdefault(item.delta.request_id, []).append(item)
+            if isinstance(item, HeldKV):
+                self.held[item.msg.request_id] = item
+            else:
+                grouped.setdefault(item.delta.request_id, []).append(item)
         updates = [self.by_engine_id[rid].apply(group) for rid, group in grouped.items()]
         return sorted((u for u in updates if u is not None), key=lambda u: u.index)
 
@@ -78,6 +93,13 @@ class Tracker:
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 stream.put(Timed(now, delta))
+
+    def kv_held(self, msg: KVHeld) -> bool:
+        """Hand a KVHeld to its stream; False when no stream waits for it (released meanwhile)."""
+        stream = self._streams.get(msg.request_id)
+        if stream is not None:
+            stream.put(HeldKV(time.monotonic(), msg))
+        return stream is not None
 
     def fail(self, engine_id: int, error: ApiError) -> None:
         stream = self._streams.get(engine_id)
