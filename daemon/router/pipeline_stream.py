@@ -12,9 +12,11 @@ A backend failure after step 2 ends the client's stream with an error event and 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
+import structlog
 from aiohttp import web
 
 from mtpserve.router.backends import Backend, in_flight
@@ -23,6 +25,9 @@ from mtpserve.router.events import DONE, SseReader, is_error, kv_transfer_params
 from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, COMPLETED, DISCONNECTED, PREFILL_ONLY, RouterMetrics
 from mtpserve.router.stages import ReleaseOnce, Stages, passthrough
+from mtpserve.server.errors import ApiError
+
+log = structlog.get_logger("mtpserve.router")
 
 
 class Result(NamedTuple):
@@ -30,21 +35,25 @@ class Result(NamedTuple):
     outcome: str
 
 
-class PrefillEnd(NamedTuple):
-    kv: dict | None  # None: the request ended at the prefill
-    had_error: bool  # the prefill sent an error event
+class PrefillRelay:
+    """What the prefill's stream said, filled in as it arrives (so a cancelled relay still knows
+    whether KV is held and needs its release)."""
+
+    def __init__(self) -> None:
+        self.kv: dict | None = None  # None at the end: the request ended at the prefill
+        self.had_error = False  # the prefill sent an error event
 
 
 async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, decode: Backend,
                     metrics: RouterMetrics) -> Result:
     client = ClientStream(request, metrics)
-    release: ReleaseOnce | None = None
+    relay = PrefillRelay()
     try:
-        end = await _prefill(stages, prefill, client)
-        if end.kv is None:
-            return Result(await client.finish(send_done=True), BACKEND_ERROR if end.had_error else PREFILL_ONLY)
-        release = stages.release_once(prefill, end.kv)
-        await _decode(stages, decode, end.kv, client, release, metrics)
+        await _prefill(stages, prefill, client, relay)
+        if relay.kv is None:
+            return Result(await client.finish(send_done=True), BACKEND_ERROR if relay.had_error else PREFILL_ONLY)
+        release = stages.release_once(prefill, relay.kv)
+        await _decode(stages, decode, relay.kv, client, release, metrics)
         return Result(await client.finish(send_done=False), COMPLETED)
     except BackendRejected as rejected:
         if not client.started:
@@ -56,32 +65,41 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         return Result(await client.fail(failure.api_error().body()), BACKEND_ERROR)
     except ConnectionError:  # NOTE: a write to our client failed: it left
         return Result(client.response, DISCONNECTED)
+    except Exception:  # NOTE: a bug must still end the stream in-band, never as a cut connection
+        if not client.started:
+            raise
+        log.exception("router stream failed", path=request.path)
+        return Result(await client.fail(ApiError(500, "Internal router error.").body()), BACKEND_ERROR)
     finally:
-        if release is not None:
-            release()
+        _release_held(stages, prefill, relay)
 
 
-async def _prefill(stages: Stages, prefill: Backend, client: ClientStream) -> PrefillEnd:
+def _release_held(stages: Stages, prefill: Backend, relay: PrefillRelay) -> None:
+    """Release the prefill's KV if it is held; a repeat of an earlier release is a no-op."""
+    if relay.kv is not None:
+        with contextlib.suppress(BackendFailure):  # NOTE: no transfer_id, nothing we can release
+            stages.release_once(prefill, relay.kv)()
+
+
+async def _prefill(stages: Stages, prefill: Backend, client: ClientStream, relay: PrefillRelay) -> None:
     with in_flight(prefill):
         async with stages.post(prefill, stream=True) as response:
             await client.start(response.headers.get("X-Request-Id"))
-            return await _relay_prefill(SseReader(response, prefill), client)
+            await _relay_prefill(SseReader(response, prefill), client, relay)
 
 
-async def _relay_prefill(reader: SseReader, client: ClientStream) -> PrefillEnd:
-    kv, had_error = None, False
+async def _relay_prefill(reader: SseReader, client: ClientStream, relay: PrefillRelay) -> None:
     while (batch := await reader.next_batch()) is not None:
         kept = []
         for event in batch:
             params = kv_transfer_params(event)
             if params is not None:
-                kv = params
+                relay.kv = params
             elif event != DONE:
                 kept.append(event)
-                had_error = had_error or is_error(event)
+                relay.had_error = relay.had_error or is_error(event)
         if kept:
             await client.write(b"".join(kept))
-    return PrefillEnd(kv, had_error)
 
 
 async def _decode(stages: Stages, decode: Backend, kv: dict, client: ClientStream, release: ReleaseOnce,

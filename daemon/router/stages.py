@@ -25,6 +25,7 @@ class Stages:
         self.body = body
         self._path = request.path
         self.authorization = request.headers.get("Authorization")
+        self._release: ReleaseOnce | None = None
 
     def post(self, backend: Backend, stream: bool,
              kv: dict | None = None) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
@@ -36,10 +37,13 @@ class Stages:
         return self.upstream.post(backend, self._path, msgspec.json.encode(body), headers, stream)
 
     def release_once(self, prefill: Backend, kv: dict) -> ReleaseOnce:
-        transfer_id = kv.get("transfer_id")
-        if not isinstance(transfer_id, int) or isinstance(transfer_id, bool):
-            raise BackendFailure(prefill, "bad_body", "kv_transfer_params without an integer transfer_id")
-        return ReleaseOnce(self.upstream, prefill, transfer_id, self.authorization)
+        """The request's one release (the same object on every call)."""
+        if self._release is None:
+            transfer_id = kv.get("transfer_id")
+            if not isinstance(transfer_id, int) or isinstance(transfer_id, bool):
+                raise BackendFailure(prefill, "bad_body", "kv_transfer_params without an integer transfer_id")
+            self._release = ReleaseOnce(self.upstream, prefill, transfer_id, self.authorization)
+        return self._release
 
 
 class ReleaseOnce:

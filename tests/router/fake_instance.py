@@ -81,13 +81,15 @@ class FakeInstance:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
-            for i, group in enumerate(plan.event_groups()):
+            groups = plan.event_groups()
+            for i in range(len(groups) + 1):  # NOTE: the knobs may also hit the end of the body
                 if i == self.die_after:
                     request.transport.abort()  # NOTE: like a killed process: a reset, no chunked end
                     return response
                 if i == self.hang_after:
                     await asyncio.sleep(3600)
-                await response.write(b"".join(map(_event, group)))
+                if i < len(groups):
+                    await response.write(b"".join(map(_event, groups[i])))
         except asyncio.CancelledError:
             self.cancelled.set()
             raise

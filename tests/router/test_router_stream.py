@@ -81,7 +81,8 @@ async def test_decode_failing_mid_stream_ends_with_an_error_event(router, prefil
     assert error["code"] == code and error["type"] == "service_unavailable_error"
     assert joined_text(events[:-2]).count(" w") == 3  # the prefill's token and the decode's first pair
     await until(lambda: prefill.releases, what="release")
-    assert len(prefill.releases) == 1
+    await asyncio.sleep(0.05)
+    assert prefill.releases == [[prefill_transfer_id(decode)]]
 
 
 async def test_decode_unreachable_after_prefill_streamed(router, prefill, decode):
@@ -107,3 +108,22 @@ async def test_client_disconnect_mid_decode_aborts_and_releases(router, prefill,
 
 def prefill_transfer_id(decode) -> int:
     return decode.seen[0].body["kv_transfer_params"]["transfer_id"]
+
+
+async def test_client_disconnect_after_the_params_still_releases(router, prefill, decode):
+    prefill.hang_after = 2  # the first token and the params are out; the body never ends
+    resp = await router.post("/v1/completions", json=COMPLETION)
+    await asyncio.wait_for(resp.content.readany(), 5)
+    await asyncio.sleep(0.05)  # NOTE: the router reads the params event right behind the token
+    resp.close()
+    await asyncio.wait_for(prefill.cancelled.wait(), 5)
+    await until(lambda: prefill.releases, what="release")
+    assert prefill.releases == [[101]] and decode.seen == []
+
+
+@pytest.mark.parametrize("router_options", [{"stream_idle_timeout": 0.3}])
+async def test_prefill_silent_before_its_first_event_is_an_error_event(router, prefill, decode):
+    prefill.hang_after = 0
+    events = sse_events(await asyncio.wait_for((await router.post("/v1/completions", json=COMPLETION)).read(), 5))
+    assert events[0]["error"]["code"] == "backend_timeout" and events[1:] == [DONE]
+    assert decode.seen == [] and prefill.releases == []
