@@ -168,6 +168,9 @@ def _check_cross_field(config: Config) -> None:
                           f"got {config.parallel.node_rank}")
     if config.parallel.tensor_parallel_size % config.parallel.nnodes:
         raise ConfigError("parallel.tensor_parallel_size: must be a multiple of parallel.nnodes")
+    if config.pd.role != "mixed" and config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"pd.role: {config.pd.role} needs parallel.tensor_parallel_size 1 "
+                          "(one KV transfer session per instance)")
 
 
 def as_toml(config: Config) -> str:

@@ -103,10 +103,14 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class PdConfig:
     role: str = key("mixed", "this instance's part in prefill/decode disaggregation",
-                    choices=("mixed", "prefill", "decode"))
+                    choices=("mixed", "prefill", "decode"), flag="--role")
     transfer_protocol: str = key("tcp", "KV transfer transport", choices=("tcp", "rdma"))
     kv_lease_timeout: float = key(30.0, "seconds a prefilled KV waits for its decode instance",
                                   min=0.1)
+    kv_host: str = key("127.0.0.1", "address other instances reach this rank's KV at (Mooncake)")
+    transfer_threads: int = key(2, "decode role: KV reads running at once", min=1, max=64)
+    transfer_delay: float = key(0.0, "testing aid: seconds each KV read waits before it starts",
+                                min=0.0, max=60.0)
 
 
 @dataclass(frozen=True)

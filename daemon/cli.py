@@ -29,6 +29,10 @@ EXIT_CONFIG = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["router"]:
+        from mtpserve.router.main import main as router_main  # NOTE: its own flags (docs/router.md)
+
+        return router_main(argv[1:])
     args = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
     if not hasattr(args, "func"):
         build_parser(with_bench=False).print_help()
@@ -53,7 +57,9 @@ def build_parser(with_bench: bool) -> argparse.ArgumentParser:
     show.set_defaults(func=run_config)
     version = commands.add_parser("version", help="print mtpserve, Python and Paddle versions")
     version.set_defaults(func=run_version)
-    bench = commands.add_parser("bench", help="benchmarks (ipc, engine, serve)")
+    commands.add_parser("router", help="the PD router: prefill then decode instance per request "
+                        "(`mtpserve router --help`)")
+    bench = commands.add_parser("bench", help="benchmarks (ipc, engine, serve, tp, kv, pd)")
     if with_bench:
         _add_bench_commands(bench)
     return parser

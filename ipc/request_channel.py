@@ -136,6 +136,13 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     num_accepted_tokens: int = 0
     num_accepted_per_pos: list[int] = []  # [k]: accepted drafts at each draft position
     timestamp: float = 0.0
+    # NOTE: PD (docs/pd.md). Prefill role: held KV and expired leases; decode role: KV reads.
+    num_kv_held: int = 0
+    num_kv_leases_expired: int = 0
+    num_kv_fetches: int = 0
+    kv_fetch_bytes: int = 0
+    kv_fetch_seconds: float = 0.0
+    num_kv_fallbacks: int = 0  # prefilled prompts recomputed here (read failed or lease too short)
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

@@ -206,7 +206,8 @@ class EngineCore:
     @property
     def num_fetching(self) -> int:
         """Prefilled requests waiting for blocks or for their KV to arrive."""
-        return len(self.scheduler.fetching) + len(self.scheduler.fetch_queue)
+        fetching = sum(not r.is_finished for r in self.scheduler.fetching.values())
+        return fetching + len(self.scheduler.fetch_queue)
 
     @property
     def num_inflight_steps(self) -> int:
@@ -215,6 +216,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
+
+    def has_runnable_work(self) -> bool:
+        """Unfinished work other than prefilled requests waiting for their KV to arrive."""
+        return bool(self.scheduler.num_unfinished - self.num_fetching > 0 or self._inflight
+                    or self._aborted)
 
     # ---- the step -------------------------------------------------------------------------------
 

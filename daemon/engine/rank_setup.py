@@ -9,6 +9,7 @@ from mtpserve import log
 from mtpserve.config import Config
 from mtpserve.engine.engine_core import EngineCore
 from mtpserve.engine.engine_factory import build_model_engine
+from mtpserve.engine.rank_kv import DecodeExchange, KVExchange, PrefillExchange
 from mtpserve.engine.rank_loop import RankLoop
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.ipc import request_channel as rc
@@ -41,11 +42,14 @@ class EngineSetup:
         sender = OutputSender(output.address, rank=rank, vocab_size=core.runner.vocab_size,
                               max_pending_bytes=config.ipc.max_pending_bytes)
         channel = await rc.RequestChannelServer.start(runtime_dir)
-        channel.set_ready(engine_ready(core, model_dir, config, instance_name(config)))
-        logger.info("engine ready", model=str(model_dir), kv_blocks=core.config.scheduler.num_blocks,
-                    num_speculative_tokens=core.config.scheduler.num_speculative_tokens)
         step_timeout = config.engine.step_timeout if tp.size > 1 else None
-        return cls(core, output, sender, channel, RankLoop(core, channel, sender, step_timeout_s=step_timeout))
+        loop = RankLoop(core, channel, sender, step_timeout_s=step_timeout)
+        loop.kv = kv_exchange(config, core, channel, loop.wake.set)
+        channel.set_ready(engine_ready(core, model_dir, config, instance_name(config), loop.kv))
+        logger.info("engine ready", model=str(model_dir), kv_blocks=core.config.scheduler.num_blocks,
+                    num_speculative_tokens=core.config.scheduler.num_speculative_tokens,
+                    role=loop.kv.role, kv_session=loop.kv.session)
+        return cls(core, output, sender, channel, loop)
 
     def report_error(self, message: str) -> None:
         self.sender.send_control(wire.ControlCode.ENGINE_ERROR, message[:1024])
@@ -53,6 +57,7 @@ class EngineSetup:
     async def close(self, device_stuck: bool = False) -> None:
         """`device_stuck`: a step never finished; leave the engine core alone (closing it would wait)."""
         await self.channel.close()
+        self.loop.kv.close()
         self.sender.close()
         self.output.close()
         if device_stuck:
@@ -65,7 +70,7 @@ class EngineSetup:
 
 def build_core(model, config: Config, tp: TensorParallel = SINGLE) -> EngineCore:
     if tp.size == 1:
-        return build_model_engine(model, **engine_parameters(config))
+        return build_model_engine(model, **engine_parameters(config), kv_lease_s=config.pd.kv_lease_timeout)
     from mtpserve.engine.tp_factory import build_leader_engine
     from mtpserve.engine.tp_plan_channel import PlanChannel
 
@@ -90,11 +95,36 @@ def warm_up(core: EngineCore) -> None:
         core.step()
 
 
-def engine_ready(core: EngineCore, model_dir: Path, config: Config, output: str) -> rc.EngineReady:
+def engine_ready(core: EngineCore, model_dir: Path, config: Config, output: str,
+                 kv: KVExchange) -> rc.EngineReady:
     sched = core.config.scheduler
     return rc.EngineReady(
         model_name=config.server.served_model_name or model_dir.resolve().name,
         max_model_len=sched.max_model_len, vocab_size=core.runner.vocab_size,
         eos_token_ids=list(core.config.eos_token_ids),
         num_speculative_tokens=sched.num_speculative_tokens, num_kv_blocks=sched.num_blocks,
-        kv_block_size=sched.block_size, output_channel=output)
+        kv_block_size=sched.block_size, output_channel=output, role=kv.role, kv_session=kv.session,
+        kv_layout=kv.layout)
+
+
+def kv_exchange(config: Config, core: EngineCore, channel: rc.RequestChannelServer,
+                wake) -> KVExchange:
+    """The PD role's KV exchange: a Mooncake session over this rank's registered KV buffers."""
+    pd = config.pd
+    if pd.role == "mixed":
+        return KVExchange()
+    from mtpserve.pd.kv_layout import kv_buffers, layout_of
+    from mtpserve.pd.kv_transfer import KVTransferAgent
+
+    runner = core.runner
+    buffers = kv_buffers(runner.kv, runner.proposer.kv if runner.proposer else [])
+    layout = layout_of(buffers, core.config.scheduler.block_size)
+    agent = KVTransferAgent.start(pd.kv_host, pd.transfer_protocol,
+                                  [(int(b.data_ptr()), _nbytes(b)) for b in buffers])
+    if pd.role == "prefill":
+        return PrefillExchange(core, channel, agent, layout)
+    return DecodeExchange(core, agent, layout, pd.transfer_threads, pd.transfer_delay, wake)
+
+
+def _nbytes(tensor) -> int:
+    return int(tensor.numel()) * tensor.element_size()
