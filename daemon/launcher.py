@@ -70,12 +70,23 @@ def read_config(path: str | os.PathLike) -> Config:
     return msgspec.json.decode(Path(path).read_bytes(), type=Config)
 
 
+def _rank_env(config: Config, rank: int) -> dict | None:
+    """A rank's environment: the collective runtime's (TP) and Mooncake's knobs (PD), else inherited."""
+    extra = {}
+    if config.parallel.tensor_parallel_size > 1:
+        extra.update(rank_environment(config.parallel, rank))
+    if config.pd.role != "mixed":
+        from mtpserve.pd.kv_transfer import mooncake_environment
+
+        extra.update(mooncake_environment())
+    return {**os.environ, **extra} if extra else None
+
+
 def child_commands(config: Config, config_path: Path) -> list[tuple[str, list[str], dict | None]]:
     """This host's ranks (each with the collective runtime's environment); the HTTP process on node 0."""
     python, parallel = sys.executable, config.parallel
     ranks = [(f"rank{r}", [python, "-m", "mtpserve.engine.rank_main", str(config_path), "--rank", str(r)],
-              {**os.environ, **rank_environment(parallel, r)} if parallel.tensor_parallel_size > 1 else None)
-             for r in local_ranks(parallel)]
+              _rank_env(config, r)) for r in local_ranks(parallel)]
     http = [("http", [python, "-m", "mtpserve.server.main", str(config_path)], None)]
     return ranks + (http if parallel.node_rank == 0 else [])
 

@@ -113,18 +113,13 @@ def kv_exchange(config: Config, core: EngineCore, channel: rc.RequestChannelServ
     pd = config.pd
     if pd.role == "mixed":
         return KVExchange()
-    from mtpserve.pd.kv_layout import kv_buffers, layout_of
+    from mtpserve.pd.kv_layout import kv_buffers, layout_of, regions_of
     from mtpserve.pd.kv_transfer import KVTransferAgent
 
     runner = core.runner
     buffers = kv_buffers(runner.kv, runner.proposer.kv if runner.proposer else [])
     layout = layout_of(buffers, core.config.scheduler.block_size)
-    agent = KVTransferAgent.start(pd.kv_host, pd.transfer_protocol,
-                                  [(int(b.data_ptr()), _nbytes(b)) for b in buffers])
+    agent = KVTransferAgent.start(pd.kv_host, pd.transfer_protocol, regions_of(buffers))
     if pd.role == "prefill":
         return PrefillExchange(core, channel, agent, layout)
     return DecodeExchange(core, agent, layout, pd.transfer_threads, pd.transfer_delay, wake)
-
-
-def _nbytes(tensor) -> int:
-    return int(tensor.numel()) * tensor.element_size()
