@@ -116,4 +116,4 @@ async def _decode(stages: Stages, decode: Backend, kv: dict, client: ClientStrea
                 return
             await client.write(b"".join(batch))
             batch = await reader.next_batch()
-    raise BackendFailure(decode, "truncated", "ended its stream without [DONE]")
+        raise BackendFailure(decode, "truncated", "ended its stream without [DONE]")

@@ -6,7 +6,8 @@ Roles: `mixed` answers the whole request (the reference a PD answer must equal),
 `max_tokens` tokens ` w<seed % 1000 + i>`, token i with logprob -(i + 1) / 10.
 
 Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `die_after`
-(events sent before the transport is aborted), `hang_after` (events before it stops sending),
+(events sent before the transport is aborted), `hang_after` (events before it stops sending), `end_after` (events before
+the body ends cleanly),
 `no_kv` (the first token ends the request).
 """
 
@@ -39,6 +40,7 @@ class FakeInstance:
         self.reject = self.crash = self.no_kv = False
         self.die_after: int | None = None
         self.hang_after: int | None = None
+        self.end_after: int | None = None
         self.cancelled = asyncio.Event()
         self._next_transfer_id = 100
         app = web.Application()
@@ -86,6 +88,8 @@ class FakeInstance:
                 if i == self.die_after:
                     request.transport.abort()  # NOTE: like a killed process: a reset, no chunked end
                     return response
+                if i == self.end_after:
+                    break  # a clean end of the body, too early
                 if i == self.hang_after:
                     await asyncio.sleep(3600)
                 if i < len(groups):

@@ -127,3 +127,12 @@ async def test_prefill_silent_before_its_first_event_is_an_error_event(router, p
     events = sse_events(await asyncio.wait_for((await router.post("/v1/completions", json=COMPLETION)).read(), 5))
     assert events[0]["error"]["code"] == "backend_timeout" and events[1:] == [DONE]
     assert decode.seen == [] and prefill.releases == []
+
+
+async def test_decode_ending_without_done_is_an_error(router, prefill, decode):
+    decode.end_after = 1
+    events = sse_events(await (await router.post("/v1/completions", json=COMPLETION)).read())
+    assert events[-2]["error"]["code"] == "backend_truncated" and events[-1] == DONE
+    metrics = (await (await router.get("/metrics")).read()).decode()
+    assert f'mtpserve:router_backend_errors_total{{kind="truncated",role="decode",url="{decode.url}"}} 1.0' in metrics
+    await until(lambda: prefill.releases, what="release")
