@@ -11,10 +11,10 @@ from mtpserve.server.logprobs import chat_logprobs
 
 
 class ChatFormat:
-    def __init__(self, model: str, cache: TokenTextCache, num_choices: int, id_suffix: str | None = None,
+    def __init__(self, model: str, cache: TokenTextCache, num_choices: int, response_id: str | None = None,
                  with_role: bool = True) -> None:
         """with_role: False when the stream continues one that already sent the role (PD decode)."""
-        self._id = f"chatcmpl-{id_suffix or uuid.uuid4().hex}"
+        self._id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
         self._with_role = with_role
         self._created = int(time.time())
         self._model = model

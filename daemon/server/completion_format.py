@@ -12,9 +12,9 @@ from mtpserve.server.logprobs import completion_logprobs
 
 class CompletionFormat:
     def __init__(self, model: str, cache: TokenTextCache, echo_texts: list[str] | None, n: int,
-                 id_suffix: str | None = None, text_offsets: dict[int, int] | None = None) -> None:
+                 response_id: str | None = None, text_offsets: dict[int, int] | None = None) -> None:
         """text_offsets: choice index -> characters already sent elsewhere (PD decode: the first token)."""
-        self._head = {"id": f"cmpl-{id_suffix or uuid.uuid4().hex}", "object": "text_completion",
+        self._head = {"id": response_id or f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                       "created": int(time.time()), "model": model}
         self._cache = cache
         self._echo = echo_texts  # [num_prompts] prompt texts when `echo`

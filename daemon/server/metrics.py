@@ -64,6 +64,22 @@ class ServerMetrics:
         self.accepted_per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                               "Accepted drafts by draft position.", ("position",))
         self.http_active = self._gauge("mtpserve:http_requests_active", "Engine requests in flight.").labels(m)
+        self._init_pd()
+
+    def _init_pd(self) -> None:
+        """PD (docs/pd.md): held KV on a prefill instance, KV reads on a decode instance."""
+        m = self._model
+        self.kv_held = self._gauge("mtpserve:pd_kv_held", "Prefilled KV entries held for a decode instance.").labels(m)
+        self.pd_counters = {
+            "num_kv_leases_expired": self._counter("mtpserve:pd_kv_leases_expired",
+                                                   "Held KV freed because no decode instance came.").labels(m),
+            "num_kv_fetches": self._counter("mtpserve:pd_kv_transfers", "KV reads from prefill instances.").labels(m),
+            "kv_fetch_bytes": self._counter("mtpserve:pd_kv_transfer_bytes", "Bytes of KV read.").labels(m),
+            "kv_fetch_seconds": self._counter("mtpserve:pd_kv_transfer_seconds",
+                                              "Seconds spent in KV reads.").labels(m),
+            "num_kv_fallbacks": self._counter("mtpserve:pd_kv_fallbacks",
+                                              "Prefilled prompts recomputed here (read failed or lease too short).").labels(m),
+        }
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -78,6 +94,9 @@ class ServerMetrics:
         for pos, total in enumerate(stats.num_accepted_per_pos):
             before = last.num_accepted_per_pos[pos] if pos < len(last.num_accepted_per_pos) else 0
             self.accepted_per_pos.labels(self._model, str(pos)).inc(max(total - before, 0))
+        self.kv_held.set(stats.num_kv_held)
+        for name, counter in self.pd_counters.items():
+            counter.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self._last_stats = stats
 
     def finished(self, reason: str) -> None:

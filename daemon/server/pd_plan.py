@@ -5,8 +5,8 @@
   decode instance unless the client asked for one token (then the answer is the final one).
 - decode instance: a request with `kv_transfer_params` continues another instance's prefill; one
   without is served as on a mixed instance.
-Prefill and decode instances refuse `n > 1` (and several completions prompts): one engine request
-per HTTP request is what a transfer id names.
+Prefill and decode instances refuse `n > 1`, and a prefill several completions prompts: one engine
+request per HTTP request is what a transfer id names (the router refuses `n > 1` too).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class PdPlan(NamedTuple):
     prompt_ids: list[int] | None = None  # with `remote`: the prompt as the prefill tokenized it
 
     def check_num_prompts(self, num_prompts: int) -> None:
-        if self.role != "mixed" and num_prompts > 1:
-            raise bad_request(f"A {self.role} instance serves one prompt per request.", "prompt")
+        if self.prefill and num_prompts > 1:
+            raise bad_request("A prefill instance serves one prompt per request.", "prompt")
 
     def sampling(self, params: SamplingParams) -> tuple[SamplingParams, bool]:
         """The engine's sampling and hold_kv: a prefill runs one token, holding the KV when more follow."""

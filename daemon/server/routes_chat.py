@@ -12,7 +12,7 @@ from mtpserve.server.engine_client import GenerateRequest
 from mtpserve.server.generation import respond
 from mtpserve.server.pd_plan import plan_pd
 from mtpserve.server.prompts import tokenize_chat
-from mtpserve.server.response_id import response_suffix
+from mtpserve.server.response_id import response_id
 from mtpserve.server.routes_completions import check_model
 from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import ChatCompletionRequest, decode_body
@@ -34,7 +34,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     n = req.n or 1
     stream = engine.submit(GenerateRequest([prompt_ids], params, n, stop_strings(req), arrival,
                                           **text_options(req), hold_kv=hold_kv, remote=pd.remote))
-    fmt = ChatFormat(ctx.settings.model_name, ctx.token_texts, n, response_suffix(request.headers),
+    fmt = ChatFormat(ctx.settings.model_name, ctx.token_texts, n, response_id(request.headers, "chatcmpl-"),
                      with_role=pd.remote is None)
     return await respond(request, engine, stream, fmt, req, pd.prefill, ctx.settings.kv_lease_timeout)
 

@@ -13,7 +13,7 @@ from mtpserve.server.errors import model_not_found
 from mtpserve.server.generation import respond
 from mtpserve.server.pd_plan import plan_pd
 from mtpserve.server.prompts import Prompts, tokenize_prompts
-from mtpserve.server.response_id import response_suffix
+from mtpserve.server.response_id import response_id
 from mtpserve.server.sampling import check_fields, stop_strings, text_options, to_sampling_params
 from mtpserve.server.schema import CompletionRequest, decode_body
 
@@ -41,8 +41,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     stream = engine.submit(GenerateRequest(prompts.token_ids, params, n, stop_strings(req), arrival,
                                           **text_options(req), hold_kv=hold_kv, remote=pd.remote))
     echo = prompts.texts if req.echo and pd.remote is None else None
-    fmt = CompletionFormat(ctx.settings.model_name, ctx.token_texts, echo, n, response_suffix(request.headers),
-                           {c.index: len(c.prior_text) for c in stream.choices})
+    fmt = CompletionFormat(ctx.settings.model_name, ctx.token_texts, echo, n,
+                           response_id(request.headers, "cmpl-"), {c.index: len(c.prior_text) for c in stream.choices})
     return await respond(request, engine, stream, fmt, req, pd.prefill, ctx.settings.kv_lease_timeout)
 
 
