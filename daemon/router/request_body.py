@@ -23,6 +23,9 @@ def prepare_body(raw: bytes, completions: bool) -> dict:
         raise from_decode_error(exc) from exc
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_type")
+    if "kv_transfer_params" in body:  # NOTE: a client must not point a decode at memory of its choosing
+        raise bad_request("`kv_transfer_params` is set by the PD router, not by clients.", "kv_transfer_params",
+                          "unsupported")
     _check_single_choice(body, completions)
     if body.get("seed") is None:
         body["seed"] = random.randrange(SEED_LIMIT)

@@ -51,7 +51,7 @@ class Upstream:
                 response = await self.session.post(backend.url + path, data=body, headers=headers,
                                                    timeout=timeout)
         except BackendFailure as failure:
-            self._metrics.backend_error(backend, failure.kind)
+            self._failed(failure)
             raise
         try:
             await self._check(backend, response)
@@ -59,9 +59,14 @@ class Upstream:
         except BaseException as exc:
             response.close()  # NOTE: drops the connection: the backend aborts the request
             if isinstance(exc, BackendFailure):
-                self._metrics.backend_error(backend, exc.kind)
+                self._failed(exc)
             raise
         response.release()
+
+    def _failed(self, failure: BackendFailure) -> None:
+        self._metrics.backend_error(failure.backend, failure.kind)
+        log.warning("backend failed", role=failure.backend.role, backend=failure.backend.url, kind=failure.kind,
+                    error=str(failure))
 
     async def _check(self, backend: Backend, response: aiohttp.ClientResponse) -> None:
         if response.status == 200:

@@ -41,6 +41,7 @@ class FakeInstance:
         self.die_after: int | None = None
         self.hang_after: int | None = None
         self.end_after: int | None = None
+        self.die_with_reset = True
         self.cancelled = asyncio.Event()
         self._next_transfer_id = 100
         app = web.Application()
@@ -85,8 +86,8 @@ class FakeInstance:
         try:
             groups = plan.event_groups()
             for i in range(len(groups) + 1):  # NOTE: the knobs may also hit the end of the body
-                if i == self.die_after:
-                    request.transport.abort()  # NOTE: like a killed process: a reset, no chunked end
+                if i == self.die_after:  # NOTE: like a killed process: no chunked end, a reset or a FIN
+                    request.transport.abort() if self.die_with_reset else request.transport.close()
                     return response
                 if i == self.end_after:
                     break  # a clean end of the body, too early

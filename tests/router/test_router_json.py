@@ -52,6 +52,7 @@ async def test_backend_rejection_passes_through(router, prefill, decode, who):
     (b'{"prompt": [[1, 2], [3]]}', "prompt"),
     (b'{"prompt": "x", ', None),
     (b'[1, 2]', None),
+    (b'{"prompt": "x", "kv_transfer_params": {"transfer_id": 1}}', "kv_transfer_params"),
 ])
 async def test_refused_before_any_backend(router, prefill, raw, param):
     resp = await router.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})

@@ -71,9 +71,12 @@ async def test_prefill_rejection_passes_through(router, prefill, decode):
 
 
 @pytest.mark.parametrize("router_options", [{"stream_idle_timeout": 0.3}])
-@pytest.mark.parametrize("knob, code", [("die_after", "backend_disconnected"), ("hang_after", "backend_timeout")])
-async def test_decode_failing_mid_stream_ends_with_an_error_event(router, prefill, decode, knob, code):
+@pytest.mark.parametrize("knob, reset, code", [("die_after", True, "backend_disconnected"),
+                                               ("die_after", False, "backend_disconnected"),
+                                               ("hang_after", False, "backend_timeout")])
+async def test_decode_failing_mid_stream_ends_with_an_error_event(router, prefill, decode, knob, reset, code):
     setattr(decode, knob, 1)  # NOTE: the decode's first write goes out, then it dies / goes silent
+    decode.die_with_reset = reset
     resp = await asyncio.wait_for(router.post("/v1/completions", json=COMPLETION), 5)
     events = sse_events(await asyncio.wait_for(resp.read(), 5))
     assert events[-1] == DONE
