@@ -33,12 +33,18 @@ class SseReader:
             with backend_errors(self._backend):
                 data = await self._response.content.readany()
             if not data:
-                return None
+                return self._rest()
             self._pending += data
             cut = self._pending.rfind(_SEP)
             if cut >= 0:
                 whole, self._pending = self._pending[:cut], self._pending[cut + len(_SEP):]
                 return [event + _SEP for event in whole.split(_SEP) if event]
+
+
+    def _rest(self) -> list[bytes] | None:
+        """At the end of the body: an event the backend did not close with a blank line, if any."""
+        rest, self._pending = self._pending.strip(), b""
+        return [rest + _SEP] if rest else None
 
 
 def kv_transfer_params(event: bytes) -> dict | None:
