@@ -40,7 +40,6 @@ class SseReader:
                 whole, self._pending = self._pending[:cut], self._pending[cut + len(_SEP):]
                 return [event + _SEP for event in whole.split(_SEP) if event]
 
-
     def _rest(self) -> list[bytes] | None:
         """At the end of the body: an event the backend did not close with a blank line, if any."""
         rest, self._pending = self._pending.strip(), b""
