@@ -136,3 +136,26 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_read_larger_than_one_mooncake_batch():
+    """2560 scattered descriptors: more than Mooncake's TCP per-peer queue (2048) takes at once."""
+    spec = PeerSpec(layers=3, depths=2, num_blocks=600, block_size=1, kv_heads=1, head_dim=4,
+                    fill_blocks=list(range(0, 512, 2)), seed=5)
+    big = start_peer(spec)
+    try:
+        main_kv, depths = allocate(dataclasses.replace(spec, num_blocks=300))
+        buffers = kv_buffers(main_kv, depths)
+        layout = layout_of(buffers, spec.block_size)
+        agent = KVTransferAgent.start("127.0.0.1", "tcp", regions_of(buffers))
+        local_blocks = list(range(255, -1, -1))  # descending: no two neighbours coalesce
+        desc = read_descriptors(layout, local_blocks, big.layout, spec.fill_blocks)
+        assert len(desc.lengths) == 10 * 256
+        agent.read(big.session, *desc)
+        agent.close()
+        for i, buffer in enumerate(buffers):
+            got = buffer.numpy()
+            for lb, rb in zip(local_blocks, spec.fill_blocks):
+                np.testing.assert_array_equal(got[lb], block_values(spec.seed, i, rb, 1, 1, 4)[0])
+    finally:
+        big.stop()
