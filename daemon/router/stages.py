@@ -2,11 +2,14 @@
 
 Both stages get the client's body (with its seed) and its Authorization header; the decode stage's
 body adds `kv_transfer_params`. The header `X-PD-Stage` tells the instance which half to do.
+`X-Request-Id`: the client's goes to the prefill, the prefill's answer's goes to the decode, so that
+both halves of a stream carry one response id (server/response_id.py).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
@@ -17,6 +20,7 @@ from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.upstream import Upstream
 
 STAGE_HEADER = "X-PD-Stage"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Stages:
@@ -25,16 +29,23 @@ class Stages:
         self.body = body
         self._path = request.path
         self.authorization = request.headers.get("Authorization")
+        self.request_id = request.headers.get(REQUEST_ID_HEADER)  # then the prefill's answer's
         self._release: ReleaseOnce | None = None
 
-    def post(self, backend: Backend, stream: bool,
-             kv: dict | None = None) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+    @contextlib.asynccontextmanager
+    async def post(self, backend: Backend, stream: bool,
+                   kv: dict | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """The prefill call without `kv`, the decode call with it."""
         body = self.body if kv is None else {**self.body, "kv_transfer_params": kv}
         headers = {"Content-Type": "application/json", STAGE_HEADER: backend.role}
         if self.authorization:
             headers["Authorization"] = self.authorization
-        return self.upstream.post(backend, self._path, msgspec.json.encode(body), headers, stream)
+        if self.request_id:
+            headers[REQUEST_ID_HEADER] = self.request_id
+        async with self.upstream.post(backend, self._path, msgspec.json.encode(body), headers, stream) as response:
+            if kv is None:
+                self.request_id = response.headers.get(REQUEST_ID_HEADER) or self.request_id
+            yield response
 
     def release_once(self, prefill: Backend, kv: dict) -> ReleaseOnce:
         """The request's one release (the same object on every call)."""

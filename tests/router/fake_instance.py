@@ -2,7 +2,8 @@
 
 Roles: `mixed` answers the whole request (the reference a PD answer must equal), `prefill` (header
 `X-PD-Stage: prefill`) answers the first token plus `kv_transfer_params`, `decode` (header
-`X-PD-Stage: decode`, body with the params) answers the tokens after the first. The "model" emits
+`X-PD-Stage: decode`, body with the params) answers the tokens after the first. A request's
+`X-Request-Id` header becomes its response id (and the answer's `X-Request-Id`). The "model" emits
 `max_tokens` tokens ` w<seed % 1000 + i>`, token i with logprob -(i + 1) / 10.
 
 Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `die_after`
@@ -29,6 +30,7 @@ class Seen:
     stage: str | None
     authorization: str | None
     body: dict
+    headers_id: str | None  # the X-Request-Id header it was sent
 
 
 class FakeInstance:
@@ -69,19 +71,20 @@ class FakeInstance:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         stage = request.headers.get("X-PD-Stage")
-        self.seen.append(Seen(request.path, stage, request.headers.get("Authorization"), body))
+        self.seen.append(Seen(request.path, stage, request.headers.get("Authorization"), body,
+                              request.headers.get("X-Request-Id")))
         if self.reject or (stage == "decode" and "kv_transfer_params" not in body):
             return web.json_response({"error": {"message": "bad request from fake", "type": "invalid_request_error",
                                                 "param": "prompt", "code": None}}, status=400)
         if self.crash:
             return web.Response(status=500, text="boom")
-        plan = _Plan(self, request.path == "/v1/chat/completions", stage, body)
+        plan = _Plan(self, request.path == "/v1/chat/completions", stage, body, request.headers.get("X-Request-Id"))
         if body.get("stream"):
             return await self._stream(request, plan)
-        return web.json_response(plan.whole_body())
+        return web.json_response(plan.whole_body(), headers={"X-Request-Id": plan.head["id"]})
 
     async def _stream(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": plan.head["id"]})
         await response.prepare(request)
         try:
             groups = plan.event_groups()
@@ -113,7 +116,7 @@ def _event(obj: dict | str) -> bytes:
 class _Plan:
     """Which tokens this role answers for one request, and in which shapes."""
 
-    def __init__(self, fake: FakeInstance, chat: bool, stage: str | None, body: dict) -> None:
+    def __init__(self, fake: FakeInstance, chat: bool, stage: str | None, body: dict, given_id: str | None) -> None:
         self.chat, self.stage, self.body = chat, stage, body
         max_tokens = body.get("max_tokens", 5)
         base = body.get("seed", 0) % 1000
@@ -133,7 +136,9 @@ class _Plan:
         self.text_base = len(tokens[0]) if stage == "decode" else 0
         self.finish = None if self.kv is not None else "length"
         self.kind = "chat.completion" if chat else "text_completion"
-        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{fake.role}", "created": CREATED, "model": "fake"}
+        # NOTE: like server/response_id.py: a given X-Request-Id is the response id
+        self.head = {"id": given_id or f"{'chatcmpl' if chat else 'cmpl'}-{fake.role}", "created": CREATED,
+                     "model": "fake"}
         self.usage = {"prompt_tokens": 3, "completion_tokens": max_tokens, "total_tokens": 3 + max_tokens}
 
     def _logprob(self, i: int) -> float:

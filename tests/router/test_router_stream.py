@@ -42,12 +42,20 @@ async def test_stream_equals_a_mixed_instance(router, prefill, decode, mixed, pa
     assert prefill.releases == [[params["transfer_id"]]]
 
 
-async def test_first_chunk_is_the_prefills_and_usage_the_decodes(router, prefill, decode):
-    events = sse_events(await (await router.post("/v1/completions", json=COMPLETION)).read())
-    ids = [e["id"] for e in events if isinstance(e, dict)]
-    assert ids[0] == "cmpl-prefill" and set(ids[1:]) == {"cmpl-decode"}
+async def test_one_response_id_and_the_decodes_usage(router, prefill, decode):
+    resp = await router.post("/v1/completions", json=COMPLETION)
+    events = sse_events(await resp.read())
+    assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-prefill"} == {resp.headers["X-Request-Id"]}
+    assert prefill.seen[0].headers_id is None and decode.seen[0].headers_id == "cmpl-prefill"
     assert events[-2]["usage"]["completion_tokens"] == COMPLETION["max_tokens"]
     assert joined_text(events) == "".join(f" w{prefill.seen[0].body['seed'] % 1000 + i}" for i in range(6))
+
+
+async def test_client_request_id_goes_to_the_prefill(router, prefill, decode):
+    resp = await router.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "cmpl-mine"})
+    events = sse_events(await resp.read())
+    assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-mine"}
+    assert prefill.seen[0].headers_id == decode.seen[0].headers_id == "cmpl-mine"
 
 
 async def test_given_seed_is_kept(router, prefill, decode):
