@@ -78,6 +78,7 @@ class Daemon:
             except ProcessLookupError:
                 pass
         wait_until(lambda: not [p for p in [self.proc.pid, *self.children] if pid_alive(p)], 5)
+        self.proc.wait(5)  # NOTE: reap it: a zombie launcher still "owns" its IPC objects
         remove_stale(self.instance)
 
     def leftovers(self) -> list[str]:
