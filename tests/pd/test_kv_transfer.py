@@ -46,7 +46,8 @@ def start_peer(spec: PeerSpec) -> Peer:
         proc.kill()
         raise RuntimeError(f"kv_peer exited with {proc.wait()}")
     hello = msgspec.json.decode(line, type=dict[str, msgspec.Raw])
-    return Peer(proc, msgspec.json.decode(hello["session"]), msgspec.json.decode(hello["layout"], type=rc.KVLayout))
+    layout = msgspec.json.decode(hello["layout"], type=rc.KVLayout)
+    return Peer(proc, msgspec.json.decode(hello["session"]), layout)
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +95,12 @@ def test_reads_from_two_threads_at_once(peer, local):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         done = [pool.submit(agent.read, peer.session, *read_descriptors(layout, lbs, peer.layout, rbs))
                 for lbs, rbs in jobs]
-        assert [f.result(timeout=NO_HANG_S) for f in done] == [len(lbs) * sum(layout.block_bytes) for lbs, _ in jobs]
-    shape = (SPEC.block_size, SPEC.kv_heads, SPEC.head_dim)
+        sizes = [f.result(timeout=NO_HANG_S) for f in done]
+    assert sizes == [len(lbs) * sum(layout.block_bytes) for lbs, _ in jobs]
+    shape, last = (SPEC.block_size, SPEC.kv_heads, SPEC.head_dim), len(buffers) - 1
     for lbs, rbs in jobs:
         for lb, rb in zip(lbs, rbs):
-            np.testing.assert_array_equal(rows(buffers[-1], lb), block_values(SPEC.seed, len(buffers) - 1, rb, *shape))
+            np.testing.assert_array_equal(rows(buffers[last], lb), block_values(SPEC.seed, last, rb, *shape))
 
 
 def test_block_outside_the_remote_memory_fails(peer, local):
