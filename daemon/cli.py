@@ -23,7 +23,7 @@ from mtpserve import __version__
 from mtpserve.config import Config, ConfigError, as_toml, iter_keys, load_config
 
 BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve",
-                 "mtpserve.bench.tp")
+                 "mtpserve.bench.tp", "mtpserve.bench.kv", "mtpserve.bench.pd")
 EXIT_CONFIG = 2
 
 
