@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,15 @@ from mtpserve.ipc import request_channel as rc
 from mtpserve.pd.kv_layout import check_compatible, kv_buffers, layout_of, read_descriptors, regions_of
 
 SPEC = PeerSpec(layers=3, depths=2, num_blocks=6, block_size=4, kv_heads=2, head_dim=8, fill_blocks=[], seed=0)
+
+
+def test_layout_module_loads_neither_paddle_nor_mooncake():
+    """The HTTP process may check layouts (400 on a foreign one); it never imports paddle."""
+    probe = ("import sys, mtpserve.pd.kv_layout, mtpserve.pd.kv_transfer\n"
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'paddle', 'mooncake'}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_buffers_in_contract_order_each_depth_once():
@@ -139,3 +150,39 @@ def test_one_descriptor_per_buffer_per_run(case):
     runs = (breaks + 1) if local_blocks else 0
     assert len(desc.lengths) == len(local.block_bytes) * runs
     assert sum(desc.lengths) == len(local_blocks) * sum(local.block_bytes)
+
+
+# ---- the engine's own KV: what a prefill rank registers stays where it was --------------------------
+
+def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
+    """Registration happens once at start; every later KV write (prefill, decode, MTP depths) must
+    land in the same memory, or a decode rank would read stale bytes."""
+    import paddle
+
+    from mtpserve.engine.engine_core import EngineConfig, EngineCore
+    from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
+    from mtpserve.engine.request import EngineRequest, SamplingParams
+    from mtpserve.engine.scheduler import SchedulerConfig
+    from mtpserve.model.config import ModelConfig
+    from mtpserve.model.mimo_model import MiMoForCausalLM
+
+    paddle.seed(0)
+    model = MiMoForCausalLM(ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=6, num_key_value_heads=2, num_nextn_predict_layers=2))
+    model.eval()
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_prefill_chunk=16,
+                            num_speculative_tokens=2, num_blocks=32, block_size=8)
+    runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=4, num_blocks=32, block_size=8,
+                                                        num_speculative_tokens=2))
+    buffers = kv_buffers(runner.kv, runner.proposer.kv)
+    before = layout_of(buffers, 8)
+    core = EngineCore(EngineConfig(sched), runner)
+    for i in range(3):
+        core.add_request(EngineRequest(f"r{i}", tuple(range(1 + i, 30 + i)), SamplingParams(max_tokens=8)))
+    while core.has_unfinished_requests():
+        core.step()
+    core.close()
+    assert len(buffers) == 2 * 2 + 2 * 2
+    assert layout_of(kv_buffers(runner.kv, runner.proposer.kv), 8) == before
+    assert before.buffer_addrs == [t.data_ptr() for t in buffers]
+    assert all(np.abs(t.numpy()[:-8]).sum() > 0 for t in buffers)  # every buffer was written (not scratch)
