@@ -56,9 +56,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "PD router: serves the OpenAI API and drives one prefill then one decode instance per request. "
         f"Every flag is also an env var {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}STREAM_IDLE_TIMEOUT)."))
     parser.add_argument("--prefill", nargs="+", metavar="URL", default=_env_list(env, "PREFILL"),
-                        help=f"prefill instances, mtpserve serve --role prefill (env {ENV_PREFIX}PREFILL, comma-separated)")
+                        help=f"prefill instances, `mtpserve serve --role prefill` (env {ENV_PREFIX}PREFILL, "
+                        "comma-separated)")
     parser.add_argument("--decode", nargs="+", metavar="URL", default=_env_list(env, "DECODE"),
-                        help=f"decode instances, mtpserve serve --role decode (env {ENV_PREFIX}DECODE, comma-separated)")
+                        help=f"decode instances, `mtpserve serve --role decode` (env {ENV_PREFIX}DECODE, "
+                        "comma-separated)")
     _add(parser, env, "--host", str, d.host, "address to listen on")
     _add(parser, env, "--port", int, d.port, "port to listen on")
     _add(parser, env, "--api-key", str, d.api_key, "clients must send `Authorization: Bearer KEY`; "

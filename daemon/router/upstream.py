@@ -96,9 +96,10 @@ class Upstream:
 
     async def _release(self, prefill: Backend, transfer_id: int, authorization: str | None) -> None:
         headers = {"Authorization": authorization} if authorization else {}
+        timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
         try:
             async with self.session.post(prefill.url + RELEASE_PATH, json={"transfer_ids": [transfer_id]},
-                                         headers=headers, timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as resp:
+                                         headers=headers, timeout=timeout) as resp:
                 await resp.read()
                 ok = resp.status < 300
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
