@@ -28,18 +28,37 @@ class SeqTracker:
         # frame order (hot) and reach the sorted table only when the batch changes.
         self._hot_ids: np.ndarray | None = None  # [B] the last frame's ids (unique, none finished)
         self._hot_next: np.ndarray | None = None  # [B] their counts
+        # NOTE: expect()/forget() may come from another thread than check() (the SysV reader
+        # thread runs check): they queue here (list.append is atomic) and check() applies them.
+        self._pending: list[tuple[int, int | None]] = []
 
     def __len__(self) -> int:
-        self._cool()
+        self._apply_pending()
         return int(self._ids.size)
 
     def expect(self, req_id: int, start: int) -> None:
+        """Request `req_id`'s first frame will carry seq `start`; call before the request is sent."""
+        self._pending.append((req_id, start))
+
+    def forget(self, req_id: int) -> None:
+        """Drop a request that will send no finishing frame (e.g. the engine refused it)."""
+        self._pending.append((req_id, None))
+
+    def _apply_pending(self) -> None:
         self._cool()
-        self._upsert(np.array([req_id], np.int64), np.array([start], np.int64))
+        while self._pending:
+            req_id, start = self._pending.pop(0)
+            ids = np.array([req_id], np.int64)
+            if start is None:
+                self._forget(ids)
+            else:
+                self._upsert(ids, np.array([start], np.int64))
 
     def check(self, frame: StepOutput) -> np.ndarray:
         """[B] bool: row i carries the seq the tracker expected. Then advances (resyncing wrong
         rows, so one loss is reported once) and forgets finished requests."""
+        if self._pending:
+            self._apply_pending()
         done = _IS_DONE[frame.finish]
         seq = frame.seq.astype(np.int64)
         hot = self._hot_ids

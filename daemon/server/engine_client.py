@@ -161,6 +161,7 @@ class EngineClient:
             self._metrics.observe_engine_stats(msg)
             self.health.heard(msg)
         elif isinstance(msg, RequestFailed):
+            self._output.forget_seq(msg.request_id)
             self.tracker.fail(msg.request_id, ApiError(500, f"The engine failed the request: {msg.message}",
                                                        code="engine_error"))
 

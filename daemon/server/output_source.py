@@ -45,10 +45,14 @@ class FrameOutputSource:
                 return to_deltas(frame)
 
     def expect_seq(self, request_id: int, start: int) -> None:
-        # NOTE: called on the loop thread before the AddRequest leaves, so no frame of this request
-        # can be in flight; under SysV the reader's tracker also runs on its receive thread (see report)
+        # NOTE: called before the AddRequest leaves, so no frame of this request is in flight; the
+        # tracker queues it for the thread that checks frames (the SysV reader's own thread).
         if self._reader.tracker is not None:
             self._reader.tracker.expect(request_id, start)
+
+    def forget_seq(self, request_id: int) -> None:
+        if self._reader.tracker is not None:
+            self._reader.tracker.forget(request_id)
 
     async def close(self) -> None:
         await self._reader.close()

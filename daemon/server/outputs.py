@@ -35,4 +35,7 @@ class OutputSource(Protocol):
         """The first frame of this request will carry `seq == start` (PD decode: the first token came
         from the prefill instance, so the engine starts at seq 1)."""
 
+    def forget_seq(self, request_id: int) -> None:
+        """No frame will finish this request (the engine refused it): stop tracking its seq."""
+
     async def close(self) -> None: ...

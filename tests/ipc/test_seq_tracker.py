@@ -1,5 +1,7 @@
 """The per-request seq check proves loss and duplication, vectorised over the batch."""
 
+import threading
+
 import numpy as np
 
 from mtpserve.ipc import wire
@@ -42,6 +44,16 @@ def test_unknown_requests_must_start_at_zero_unless_expected():
     assert not t.check(out([4], [3], [1]))[0]
     t.expect(8, 1)  # decode instance: the first token came from prefill
     assert t.check(out([8], [1], [2]))[0]
+
+
+def test_expect_and_forget_from_another_thread_apply_at_the_next_check():
+    t = SeqTracker()
+    t.check(out([1], [0], [1]))
+    worker = threading.Thread(target=lambda: (t.expect(8, 1), t.expect(9, 1), t.forget(9)))
+    worker.start()
+    worker.join()
+    assert len(t) == 2  # 1 and 8; 9 was refused by the engine and forgotten
+    assert t.check(out([1, 8], [1, 1], [1, 1])).all()
 
 
 def test_finished_requests_are_forgotten_preempted_ones_kept():
