@@ -25,6 +25,7 @@ for unit in "$SRC"/systemd/*.service; do
 done
 # Never overwrite an operator's configuration.
 [ -e "$ROOT/etc/mtpserve/mtpserve.toml" ] || cp "$SRC/config/mtpserve.example.toml" "$ROOT/etc/mtpserve/mtpserve.toml"
+[ -e "$ROOT/etc/mtpserve/router.env" ] || cp "$SRC/systemd/router.env.example" "$ROOT/etc/mtpserve/router.env"
 if [ "$MAKE_USER" = 1 ]; then
     id mtpserve >/dev/null 2>&1 || useradd --system --home-dir /var/lib/mtpserve --shell /usr/sbin/nologin mtpserve
     [ -d /run/systemd/system ] && systemctl daemon-reload

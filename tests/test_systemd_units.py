@@ -25,6 +25,8 @@ def test_install_renders_every_unit_and_the_config(installed):
         assert "/opt/mtpserve" not in text and f"{ROOT}/.venv/bin/mtpserve" in text
     assert (installed / "etc/mtpserve/mtpserve.toml").read_text() == \
         (ROOT / "config/mtpserve.example.toml").read_text()
+    assert (installed / "etc/mtpserve/router.env").read_text() == \
+        (ROOT / "systemd/router.env.example").read_text()
 
 
 def test_install_keeps_an_existing_config(installed):

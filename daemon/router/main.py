@@ -12,6 +12,7 @@ import structlog
 import uvloop
 from aiohttp import web
 
+from mtpserve.notify import Notifier
 from mtpserve.router.app import make_app
 from mtpserve.router.config import RouterConfig, parse_args
 
@@ -35,13 +36,26 @@ async def serve(config: RouterConfig) -> None:
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("router listening", host=config.host, port=config.port, prefill=list(config.prefill_urls),
              decode=list(config.decode_urls))
+    notifier = Notifier()
+    notifier.ready("routing")  # NOTE: listening is ready; /health says whether backends are up
+    watchdog = asyncio.ensure_future(_watchdog(notifier))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("router stopping")
+    notifier.stopping()
+    watchdog.cancel()
     await runner.cleanup()
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    """WATCHDOG=1 while the event loop turns: a wedged loop (the router's only worker) stops them."""
+    interval = notifier.watchdog_interval_s()
+    while interval:
+        notifier.watchdog()
+        await asyncio.sleep(interval)
 
 
 def _configure_logging(config: RouterConfig) -> None:
