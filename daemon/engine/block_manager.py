@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import collections
+import heapq
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -22,7 +22,9 @@ class BlockManager:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: collections.deque[int] = collections.deque(range(num_blocks))
+        # NOTE: a min-heap, lowest id first, so a request's blocks tend to be consecutive: a PD KV read
+        # is one copy per run of consecutive blocks, and each copy costs ~60 us over TCP.
+        self._free: list[int] = list(range(num_blocks))
         self._is_used = [False] * num_blocks
 
     @property
@@ -54,10 +56,10 @@ class BlockManager:
             if not self._is_used[block]:
                 raise ValueError(f"double free of KV block {block}")
             self._is_used[block] = False
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         block_ids.clear()
 
     def _take(self) -> int:
-        block = self._free.popleft()
+        block = heapq.heappop(self._free)
         self._is_used[block] = True
         return block

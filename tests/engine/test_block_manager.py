@@ -37,3 +37,15 @@ def test_double_free_is_detected():
     bm.free(table)
     with pytest.raises(ValueError):
         bm.free(copy)
+
+
+def test_lowest_free_ids_first_so_tables_stay_in_runs():
+    """A PD KV read costs one copy per run of consecutive blocks: hand out the lowest ids first."""
+    m = BlockManager(num_blocks=12, block_size=4)
+    a, b, c = [], [], []
+    m.grow(a, 12), m.grow(b, 8), m.grow(c, 12)  # a: 0-2, b: 3-4, c: 5-7
+    m.free(c)
+    m.free(a)
+    d = []
+    m.grow(d, 24)  # 6 blocks: 0, 1, 2, 5, 6, 7 -> two runs, not the order they were freed in
+    assert d == [0, 1, 2, 5, 6, 7]
