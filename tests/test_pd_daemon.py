@@ -213,3 +213,13 @@ async def test_killing_the_decode_instance_ends_the_stream_with_an_error(cluster
     finally:
         router.stop()
         decode.kill_everything()
+
+
+
+async def test_echo_through_the_router_matches_the_mixed_instance(cluster):
+    router, mixed = cluster["router"], cluster["mixed"]
+    body = {"model": "m", "prompt": "import sys\n", "echo": True, "max_tokens": 12, "temperature": 0}
+    want = post(mixed.url + "/v1/completions", body)["choices"][0]["text"]
+    assert post(router.url + "/v1/completions", body)["choices"][0]["text"] == want
+    events = [e async for e in stream_events(router.url + "/v1/completions", body)]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
