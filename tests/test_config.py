@@ -82,3 +82,9 @@ def test_example_documents_every_key():
     text = example_toml()
     for spec in iter_keys():
         assert f"\n{spec.name} = " in text and spec.env_var in text and spec.flag in text
+
+
+def test_pd_role_with_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="pd.role: prefill needs parallel.tensor_parallel_size 1"):
+        load_config(cli={"pd.role": "prefill", "parallel.tensor_parallel_size": "2"})
+    assert load_config(cli={"pd.role": "decode"}).pd.role == "decode"
