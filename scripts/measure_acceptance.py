@@ -26,6 +26,7 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_corpus import read_text, split_files  # noqa: E402
 
+from mtpserve.model.draft_vocab import read_draft_vocab_file  # noqa: E402
 from mtpserve.model.forward_batch import ForwardBatch  # noqa: E402
 from mtpserve.model.kv_cache import KVCache  # noqa: E402
 from mtpserve.model.loader import DEFAULT_MODEL_DIR, load_model  # noqa: E402
@@ -116,7 +117,7 @@ def draft_round(model, seqs: list[Sequence], starts: list[int], mtp_kv: KVCache,
         out = model.mtp_forward(j - 1, batch, batch.input_ids, prev, mtp_kv)
         lengths = [len(t) for t in inputs]
         last_rows = paddle.to_tensor(np.cumsum(lengths) - 1)
-        drafts = model.compute_logits(paddle.gather(out.hidden_states, last_rows)).argmax(-1).numpy()
+        drafts = model.draft_token_ids(paddle.gather(out.hidden_states, last_rows)).numpy()
         for s, f, rows, d in zip(seqs, first, split_rows(out.mtp_hidden, lengths), drafts):
             s.drafts.append(int(d))
             old = s.hidden[j] if len(s.hidden) > j else None
@@ -172,8 +173,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--check-greedy", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--full-draft-vocab", action="store_true",
+                        help="ignore the model's draft_vocab.json: drafts over the full vocabulary")
+    parser.add_argument("--draft-vocab", type=Path, default=None,
+                        help="draft vocabulary file to use instead of the model's draft_vocab.json")
     args = parser.parse_args()
-    model = load_model(args.model)
+    model = load_model(args.model, draft_vocab=not args.full_draft_vocab)
+    if args.draft_vocab is not None:
+        model.set_draft_vocab(read_draft_vocab_file(args.draft_vocab, model.config.vocab_size))
     if args.k > model.num_mtp_layers:
         raise SystemExit(f"k={args.k} needs {args.k} MTP layers; the model has {model.num_mtp_layers}")
     tokenizer = Tokenizer.from_model_dir(args.model)
@@ -182,8 +189,9 @@ def main() -> None:
     with paddle.no_grad():
         seqs = [s for i in range(0, len(prompts), args.batch)
                 for s in decode(model, prompts[i:i + args.batch], args.k, args.max_new, tokenizer.eos_token_id)]
-        result = {"model": str(args.model), "k": args.k, "prompts": len(prompts), "prompt_len": args.prompt_len,
-                  "max_new": args.max_new, **summarize(seqs, args.k), "elapsed_s": round(time.time() - t0, 1)}
+        draft_size = model.draft_head.size if model.draft_head is not None else model.config.vocab_size
+        result = {"model": str(args.model), "k": args.k, "draft_vocab_size": draft_size, "prompts": len(prompts),
+                  "prompt_len": args.prompt_len, "max_new": args.max_new, **summarize(seqs, args.k), "elapsed_s": round(time.time() - t0, 1)}
         if args.check_greedy:
             t1 = time.time()
             plain = [s for i in range(0, len(prompts), args.batch)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import paddle
 from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import DecoderLayer, serving_weights
+from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
@@ -53,20 +55,36 @@ class MiMoForCausalLM(nn.Layer):
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.draft_head: DraftHead | None = None  # None: drafts use the full vocabulary
 
     def eval(self) -> MiMoForCausalLM:
         """Eval mode, serving from weight copies built now (fused q/k/v and gate/up, every projection
         transposed to [in, out]): call it again (or `train()`) after changing any weight."""
         super().eval()
-        for group in serving_weights(self):
+        for group in self._serving_weights():
             group.freeze()
         return self
 
     def train(self) -> MiMoForCausalLM:
         super().train()
-        for group in serving_weights(self):
+        for group in self._serving_weights():
             group.thaw()
         return self
+
+    def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
+        """Restrict MTP drafts to these full-vocabulary ids [N] (None: the full vocabulary). Output
+        never changes (verification decides it), only how often drafts are accepted."""
+        if token_ids is None:
+            self.draft_head = None
+            return
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        check_token_ids(token_ids, self.config.vocab_size)
+        self.draft_head = DraftHead(token_ids, self.lm_head, self.tp)
+        if not self.training:
+            self.draft_head.freeze()
+
+    def _serving_weights(self) -> list:
+        return serving_weights(self) + ([self.draft_head] if self.draft_head is not None else [])
 
     @property
     def num_mtp_layers(self) -> int:
@@ -94,7 +112,10 @@ class MiMoForCausalLM(nn.Layer):
 
     def draft_token_ids(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         """hidden_states: [N, H] MTP outputs -> [N] int64 greedy draft tokens (drafts are one-hot, so
-        rejection sampling needs no draft probabilities)."""
+        rejection sampling needs no draft probabilities). With a draft vocabulary, the argmax is over
+        its tokens only (still full-vocabulary ids)."""
+        if self.draft_head is not None:
+            return self.draft_head(hidden_states)
         return paddle.argmax(self.compute_logits(hidden_states), axis=-1)
 
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
