@@ -58,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-prompt-len", type=int, default=64)
     p.add_argument("--model-max-tokens", type=int, default=64)
     p.add_argument("--model-rounds", type=int, default=2, help="batches of prompts per (batch, k)")
+    p.add_argument("--model-repeat", type=int, default=1,
+                   help="model: run the whole batch x k sweep this many times (each k=2 run is compared "
+                        "with the k=0 run just before it, so a noisy host shifts both); reports the medians")
     p.add_argument("--model-equality-prompts", type=int, default=50,
                    help="prompts for the greedy MTP on/off equality check (0 = skip)")
     p.add_argument("--skip-synthetic", action="store_true")
@@ -77,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
         from mtpserve.bench.engine_model import run_model_bench
 
         report["model_dir"] = str(args.model)
-        report["model"] = run_model_bench(args.model, args.model_batch, args.model_k,
-                                          args.model_prompt_len, args.model_max_tokens, args.model_rounds)
+        runs = [run_model_bench(args.model, args.model_batch, args.model_k, args.model_prompt_len,
+                                args.model_max_tokens, args.model_rounds) for _ in range(args.model_repeat)]
+        report["model"] = runs[0] if len(runs) == 1 else median_rows(runs)
+        if len(runs) > 1:
+            report["model_runs"] = runs
+            for r in report["model"]:
+                print(format_median(r), flush=True)
         if args.model_equality_prompts:
             from mtpserve.bench.engine_equality import equality_report
             from mtpserve.model.loader import load_model
@@ -145,3 +153,24 @@ def format_row(r: dict) -> str:
             f"{r['steps_per_s']:6.1f} steps/s  "
             f"{r['tokens_per_s']:8.1f} tok/s  accept len {r['mean_acceptance_length']:.2f}  "
             f"host {r['host_work_ms_per_step']:.2f} ms/step")
+
+
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Per (batch, k): the median of each run's tokens/s and speedup (speedups are per run, not a
+    ratio of medians); acceptance is deterministic for greedy decoding, so it is the first run's."""
+    rows = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs]
+        speedups = [r["speedup_vs_k0"] for r in same if r["speedup_vs_k0"] is not None]
+        rows.append({**first, "repeats": len(runs),
+                     "decode_tokens_per_s": float(np.median([r["decode_tokens_per_s"] for r in same])),
+                     "speedup_vs_k0": float(np.median(speedups)) if speedups else None,
+                     "speedups_vs_k0": speedups})
+    return rows
+
+
+def format_median(r: dict) -> str:
+    speedup = f"  x{r['speedup_vs_k0']:.2f} vs k=0 (runs: " + \
+        ", ".join(f"{x:.2f}" for x in r["speedups_vs_k0"]) + ")" if r["speedup_vs_k0"] else ""
+    return (f"median of {r['repeats']}  batch {r['batch']:3d}  k={r['k']}  {r['decode_tokens_per_s']:8.1f} "
+            f"decode tok/s  accept len {r['mean_acceptance_length']:.2f}{speedup}")

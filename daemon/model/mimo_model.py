@@ -84,7 +84,8 @@ class MiMoForCausalLM(nn.Layer):
             self.draft_head.freeze()
 
     def _serving_weights(self) -> list:
-        return serving_weights(self) + ([self.draft_head] if self.draft_head is not None else [])
+        tables = [_TokenTableOf(layer, self.model.embed_tokens) for layer in self.model.mtp_layers]
+        return serving_weights(self) + tables + ([self.draft_head] if self.draft_head is not None else [])
 
     @property
     def num_mtp_layers(self) -> int:
@@ -133,7 +134,20 @@ class MiMoForCausalLM(nn.Layer):
         them alone (the last drafting depth needs one row per request; KV is written for all T)."""
         layer_index = index % self.num_mtp_layers
         layer = self.model.mtp_layers[layer_index]
-        embeds = self.model.embed_tokens(token_ids)  # [T, H]
         kv_index = layer_index if kv_layer is None else kv_layer
-        x = layer(embeds, prev_hidden, self.rotary.cos_sin(positions), ctx, kv_index, out_rows)
+        x = layer(token_ids, self.model.embed_tokens, prev_hidden, self.rotary.cos_sin(positions), ctx,
+                  kv_index, out_rows)
         return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)
+
+
+class _TokenTableOf:
+    """An MTP layer's token table as a serving weight: it is built from the embedding too."""
+
+    def __init__(self, layer: MTPLayer, embedding: VocabParallelEmbedding):
+        self.layer, self.embedding = layer, embedding
+
+    def freeze(self) -> None:
+        self.layer.tokens.freeze(self.layer, self.embedding)
+
+    def thaw(self) -> None:
+        self.layer.tokens.thaw()

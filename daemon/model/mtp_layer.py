@@ -3,6 +3,12 @@
 It predicts one token further ahead: at position t it combines the previous depth's hidden state at t
 (the main model's pre-final-norm hidden for the first layer) with the embedding of token t+1, runs one
 decoder block, and its `final_layernorm` output goes to the shared LM head to predict token t+2.
+
+In eval mode the token half of `input_proj` is tabulated: token_layernorm is row-wise, so
+token_layernorm(embedding) @ W_token^T is one [V, H] table built by `freeze()`, and a step looks its
+rows up instead of normalising, concatenating and projecting them (drafting cost; the table differs
+from the step-by-step arithmetic only in float summation order, which can change a draft, never the
+verified output).
 """
 
 from __future__ import annotations
@@ -14,7 +20,26 @@ from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import MLP, Attention
 from mtpserve.model.norm import RMSNorm
-from mtpserve.model.parallel import SINGLE, ReplicatedLinear, TensorParallel
+from mtpserve.model.parallel import SINGLE, ReplicatedLinear, TensorParallel, VocabParallelEmbedding
+
+
+class TokenTable:
+    """Eval-mode copies: token_layernorm(E) @ W_token^T for this rank's vocabulary rows [V/tp, H], and
+    the hidden half of input_proj [H, H] (layout [in, out])."""
+
+    def __init__(self) -> None:
+        self.table: paddle.Tensor | None = None
+        self.hidden_t: paddle.Tensor | None = None
+
+    def freeze(self, layer: MTPLayer, embedding: VocabParallelEmbedding) -> None:
+        with paddle.no_grad():
+            hidden = embedding.weight.shape[1]
+            weight_t = layer.input_proj.weight.t()  # [2H, H]: rows 0..H-1 read prev_hidden, H..2H-1 the token
+            self.hidden_t = weight_t[:hidden].contiguous()
+            self.table = paddle.matmul(layer.token_layernorm(embedding.weight), weight_t[hidden:])
+
+    def thaw(self) -> None:
+        self.table = self.hidden_t = None
 
 
 class MTPLayer(nn.Layer):
@@ -30,19 +55,28 @@ class MTPLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(config, tp)
         self.final_layernorm = RMSNorm(hidden, eps)
+        self.tokens = TokenTable()
 
-    def forward(self, token_embeds: paddle.Tensor, prev_hidden: paddle.Tensor,
+    def forward(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding, prev_hidden: paddle.Tensor,
                 cos_sin: tuple[paddle.Tensor, paddle.Tensor], ctx: AttentionContext,
                 layer: int, out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
-        """token_embeds, prev_hidden: [T, H] -> this depth's hidden [T, H] (before final_layernorm).
+        """token_ids: [T], prev_hidden: [T, H] -> this depth's hidden [T, H] (before final_layernorm).
 
         out_rows: [N] if only those rows' outputs are wanted -> [N, H]; every row's KV is still written,
         but the MLP runs on the N rows only.
         """
-        joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(token_embeds)],
-                               axis=-1)  # [T, 2H]
-        x = self.input_proj(joined)  # [T, H]
+        x = self._project_inputs(token_ids, embedding, prev_hidden)  # [T, H]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx, layer)
         if out_rows is not None:
             x = paddle.gather(x, out_rows)  # [N, H]
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _project_inputs(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding,
+                        prev_hidden: paddle.Tensor) -> paddle.Tensor:
+        """input_proj(concat[hidden_layernorm(prev_hidden), token_layernorm(embed(token_ids))]) -> [T, H]."""
+        if self.tokens.table is not None:
+            token_part = embedding.lookup(token_ids, self.tokens.table)  # [T, H]
+            return paddle.matmul(self.hidden_layernorm(prev_hidden), self.tokens.hidden_t) + token_part
+        joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(embedding(token_ids))],
+                               axis=-1)  # [T, 2H]
+        return self.input_proj(joined)

@@ -131,11 +131,15 @@ class VocabParallelEmbedding(nn.Layer):
         self.shard_axes = {"weight": 0}
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return self.lookup(ids, self.weight)
+
+    def lookup(self, ids: paddle.Tensor, table: paddle.Tensor) -> paddle.Tensor:
+        """Rows of `table` [V/tp, X], a per-vocabulary-row table split like the embedding -> [T, X]."""
         if self.tp.size == 1:
-            return nn.functional.embedding(ids, self.weight)
+            return nn.functional.embedding(ids, table)
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)
-        out = nn.functional.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
+        out = nn.functional.embedding(paddle.where(inside, local, paddle.zeros_like(local)), table)
         out = out * inside.astype(out.dtype).unsqueeze(-1)
         return self.tp.all_reduce(out)
 

@@ -21,11 +21,21 @@ class RotaryEmbedding:
         sin = paddle.sin(freqs)
         # NOTE: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the sign lives in the table.
         self.signed_sin_table = paddle.concat([-sin, sin], axis=-1)  # [P, D]
+        self._last_positions: paddle.Tensor | None = None
+        self._last_cos_sin: tuple[paddle.Tensor, paddle.Tensor] | None = None
 
     def cos_sin(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """positions: [T] -> cos, signed sin: [T, 1, D]."""
-        cos = paddle.gather(self.cos_table, positions).unsqueeze(1)
-        return cos, paddle.gather(self.signed_sin_table, positions).unsqueeze(1)
+        """positions: [T] -> cos, signed sin: [T, 1, D].
+
+        NOTE: the result for the last `positions` tensor is kept: a serving step passes the same tensor
+        to the main model and to every MTP depth, which then share one lookup. Positions tensors are
+        never modified in place, so the same object means the same values.
+        """
+        if positions is not self._last_positions:
+            cos = paddle.gather(self.cos_table, positions).unsqueeze(1)
+            self._last_cos_sin = cos, paddle.gather(self.signed_sin_table, positions).unsqueeze(1)
+            self._last_positions = positions
+        return self._last_cos_sin
 
     @staticmethod
     def apply(x: paddle.Tensor, cos: paddle.Tensor, signed_sin: paddle.Tensor) -> paddle.Tensor:
