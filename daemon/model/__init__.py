@@ -10,7 +10,8 @@ Rank processes only (imports paddle). Files, along the path of one step:
   attention_context.py PagedContext (serving) / DenseCausalContext (training): what attention sees
   attention_core.py    masked grouped-query attention over padded buffers
   decoder_layer.py     Attention, MLP, DecoderLayer
-  mtp_layer.py         MTPLayer (model.mtp_layers.{i})
+  mtp_layer.py         MTPLayer (model.mtp_layers.{i}); eval mode tabulates input_proj's token half
+  draft_vocab.py       optional draft_vocab.json: MTP drafts argmax over a frequent-token subset
   mimo_model.py        MiMoForCausalLM: forward, mtp_forward, compute_logits
   parallel.py          TensorParallel + Column/Row-parallel linears, vocab-parallel embedding and head
   norm.py, rotary.py   RMSNorm, RoPE
@@ -25,7 +26,7 @@ Serving interface (the engine builds against exactly this):
     logits = model.compute_logits(out.hidden_states[rows])        # [N, V] float32
     d = model.mtp_forward(i, batch, token_ids_shifted [T], prev_hidden [T, H], mtp_kv)
         -> MTPOutput(hidden_states [T, H], mtp_hidden [T, H])
-    draft_logits = model.compute_logits(d.hidden_states[rows])
+    draft_ids = model.draft_token_ids(d.hidden_states[rows])       # [N] int64 full-vocabulary ids
 
 Semantics and deviations from the first sketch of this interface:
   * ModelOutput.hidden_states is after the final norm (feed compute_logits); ModelOutput.mtp_hidden is
@@ -50,4 +51,7 @@ Semantics and deviations from the first sketch of this interface:
     call). The cost is one extra copy of those weights; change weights only in train mode, or call
     eval() again after changing them. `run_mtp(..., out_rows=rows)` returns only those rows and runs
     the layer's MLP on them alone (the last drafting depth), while still writing every row's KV.
+  * `draft_token_ids` is the argmax over `draft_vocab.json`'s tokens when the model directory has one
+    (`load_model(..., draft_vocab=False)` or `model.set_draft_vocab(None)`: the full vocabulary).
+    Drafts decide acceptance only; verification uses the full head, so output never changes.
 """
