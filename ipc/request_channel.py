@@ -1,8 +1,9 @@
 """The request channel: HTTP process <-> rank 0, over a Unix domain stream socket.
 
 HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`.  Engine -> HTTP: `EngineReady`,
-`EngineStats`, `RequestFailed`, `KVHeld` (the last two of each only under PD: docs/pd.md).  Generated tokens do NOT travel here: they use the output path (ipc/ frames over
-message queues).  This channel carries the low-rate control traffic only.
+`EngineStats`, `RequestFailed`, `KVHeld` (ReleaseKV and KVHeld only under PD: docs/pd.md).
+Generated tokens do NOT travel here: they use the output path (ipc/ frames over message queues).
+This channel carries the low-rate control traffic only.
 
 Wire: every frame is a 4-byte little-endian payload length followed by a msgspec MessagePack payload
 of a tagged Struct (no pickle).  The engine listens (`RequestChannelServer`), the HTTP process
