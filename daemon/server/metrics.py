@@ -77,8 +77,8 @@ class ServerMetrics:
             "kv_fetch_bytes": self._counter("mtpserve:pd_kv_transfer_bytes", "Bytes of KV read.").labels(m),
             "kv_fetch_seconds": self._counter("mtpserve:pd_kv_transfer_seconds",
                                               "Seconds spent in KV reads.").labels(m),
-            "num_kv_fallbacks": self._counter(
-                "mtpserve:pd_kv_fallbacks", "Prefilled prompts recomputed here (read failed or lease too short).").labels(m),
+            "num_kv_fallbacks": self._counter("mtpserve:pd_kv_fallbacks",
+                                              "Prefilled prompts recomputed here (failed read, short lease).").labels(m),
         }
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
