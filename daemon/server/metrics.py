@@ -78,7 +78,7 @@ class ServerMetrics:
             "kv_fetch_seconds": self._counter("mtpserve:pd_kv_transfer_seconds",
                                               "Seconds spent in KV reads.").labels(m),
             "num_kv_fallbacks": self._counter("mtpserve:pd_kv_fallbacks",
-                                              "Prefilled prompts recomputed here (failed read, short lease).").labels(m),
+                                              "Prefilled prompts recomputed here instead of read.").labels(m),
         }
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
