@@ -172,3 +172,20 @@ def test_eval_rebuilds_serving_weights_after_training_changes_them():
     ref = Reference(weights_of(model), model.config)
     assert_close(logits_of(model, batch, caches(model)[0]), ref.main(ids)[0])
     assert_close(trained, ref.main(ids)[0])
+
+
+def test_mtp_token_table_in_eval_matches_the_step_by_step_inputs_of_training():
+    """Eval mode looks up token_layernorm(E) @ W_token (tabulated); training computes it per step."""
+    model = make_model(seed=8)
+    ids = np.random.default_rng(5).integers(0, 97, (2, 6))
+    tokens = paddle.to_tensor(ids.flatten())
+    positions = paddle.arange(6, dtype="int64").tile([2])
+    prev = paddle.to_tensor(np.random.default_rng(6).standard_normal((12, 48)).astype(np.float32))
+    served = model.run_mtp(1, tokens, prev, positions, DenseCausalContext(2, 6))
+    assert model.model.mtp_layers[1].tokens.table is not None
+    model.train()
+    assert model.model.mtp_layers[1].tokens.table is None
+    with paddle.no_grad():
+        trained = model.run_mtp(1, tokens, prev, positions, DenseCausalContext(2, 6))
+    assert_close(served.hidden_states.numpy(), trained.hidden_states.numpy(), rel=1e-5)
+    assert_close(served.mtp_hidden.numpy(), trained.mtp_hidden.numpy(), rel=1e-5)
