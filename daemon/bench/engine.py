@@ -119,7 +119,7 @@ def measure(case: Case) -> dict:
     host_s = tokens = 0.0
     for step in range(case.warmup_steps + case.measure_steps):
         if step == case.warmup_steps:
-            busy0, wall0, accepted0 = core.runner.busy_seconds(), time.perf_counter(), _acceptance(core)
+            wall0, accepted0 = time.perf_counter(), _acceptance(core)
             wait0 = core.wait_seconds
             host_s = tokens = 0.0
         while core.scheduler.num_unfinished < case.batch:
@@ -130,10 +130,11 @@ def measure(case: Case) -> dict:
         out = core.step()
         host_s += time.perf_counter() - begin
         tokens += int(out.num_tokens.sum())
-    wall = time.perf_counter() - wall0
-    busy = core.runner.busy_seconds() - busy0
+    wall1 = time.perf_counter()
+    wall = wall1 - wall0
+    core.close()  # NOTE: lets the last launched step end, so busy_between sees every step that overlaps
+    busy = core.runner.busy_between(wall0, wall1)
     steps, drafted = _acceptance(core)[0] - accepted0[0], _acceptance(core)[1] - accepted0[1]
-    core.close()
     return {**dataclasses.asdict(case), "busy_fraction": busy / wall, "wall_s": wall,
             # NOTE: the stricter figure: only the nominal step time counts as busy, not the device
             # thread's own bookkeeping nor its late wake-ups.

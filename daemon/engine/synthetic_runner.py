@@ -13,6 +13,7 @@ Only greedy decoding is modelled (sampling parameters other than the stop rules 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -63,6 +64,7 @@ class SyntheticRunner:
         self.kv = np.zeros(config.num_blocks * config.block_size, np.uint64)  # one value per slot
         self._free_at = 0.0  # device timeline: when the last step ended
         self._busy = 0.0
+        self._steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 16)
         self._stream = DeviceStream("synthetic-device")
 
     def launch(self, plan: StepPlan) -> concurrent.futures.Future:
@@ -71,6 +73,11 @@ class SyntheticRunner:
     def busy_seconds(self) -> float:
         """Device time spent in steps, on the device's own timeline (see `_execute`)."""
         return self._busy
+
+    def busy_between(self, begin: float, end: float) -> float:
+        """Device time inside [begin, end] (perf_counter), steps cut at the edges: a step running
+        across `begin` counts only from there, so a short window is not over-counted."""
+        return sum(max(0.0, min(e, end) - max(s, begin)) for s, e in list(self._steps))
 
     def close(self) -> None:
         self._stream.close()
@@ -91,6 +98,7 @@ class SyntheticRunner:
         end = max(start + self.config.step_time_s, time.perf_counter())
         time.sleep(max(0.0, end - time.perf_counter()))
         self._busy += end - start
+        self._steps.append((start, end))
         self._free_at = end
         return result
 
