@@ -133,6 +133,17 @@ class EngineCore:
         self.num_kv_fallbacks += queued - len(started) - len(self.scheduler.fetch_queue)
         return [KVFetch(r.request_id, tuple(r.block_ids), r.remote.source) for r in started]
 
+    def abandon_stale_fetches(self, now: float | None = None) -> list[int | str]:
+        """Give up on reads still running after their source's lease ended (the prefill stopped
+        answering): those requests recompute their prompt here instead of waiting for the read."""
+        now = time.time() if now is None else now
+        stale = [rid for rid, r in self.scheduler.fetching.items()
+                 if r.remote is not None and now > r.remote.deadline]
+        for request_id in stale:
+            if not self.scheduler.abandon_fetch(request_id).is_finished:
+                self.num_kv_fallbacks += 1
+        return stale
+
     def kv_fetched(self, request_id: int | str, ok: bool) -> None:
         """A read started by `start_kv_fetches` finished; on failure the prompt is recomputed."""
         request = self.scheduler.fetch_done(request_id, ok)

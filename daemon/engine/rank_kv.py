@@ -86,6 +86,9 @@ class DecodeExchange(KVExchange):
         self.logger = log.get_logger("mtpserve.pd")
 
     def before_step(self) -> None:
+        stale = self.core.abandon_stale_fetches()
+        if stale:
+            self.logger.warning("kv read outlived the prefill's lease, recomputing", request_ids=stale)
         for fetch in self.core.start_kv_fetches():
             future = self._pool.submit(self._read, fetch)
             future.add_done_callback(

@@ -112,6 +112,7 @@ class Scheduler(KVHandoff):
         # finished requests until the decode instance has read them.
         self.fetch_queue: collections.deque[Request] = collections.deque()
         self.fetching: dict[int | str, Request] = {}
+        self.abandoned: dict[int | str, list[int]] = {}
         self.held: dict[int | str, list[int]] = {}
 
     # ---- intake ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 A mixin of `Scheduler`: it works on the scheduler's block manager, waiting queue and these fields:
   fetch_queue  prefilled requests waiting for blocks to read their KV into (FCFS);
   fetching     request id -> request whose blocks are reserved and whose read is in flight;
+  abandoned    request id -> blocks of a read given up on, until the read returns;
   held         request id -> blocks of a finished prefill-role request, until released.
 """
 
@@ -21,6 +22,7 @@ class KVHandoff:
     waiting: collections.deque[Request]
     fetch_queue: collections.deque[Request]
     fetching: dict[int | str, Request]
+    abandoned: dict[int | str, list[int]]
     held: dict[int | str, list[int]]
     num_preemptions: int
 
@@ -54,8 +56,23 @@ class KVHandoff:
             started.append(request)
         return started
 
+    def abandon_fetch(self, request_id: int | str) -> Request | None:
+        """Stop waiting for a read that outlived its source's lease (a prefill that stopped
+        answering): the request recomputes its prompt in other blocks, and the reserved ones stay
+        out of use until the read returns (it may still write into them). Returns the request."""
+        request = self.fetching.pop(request_id)
+        self.abandoned[request_id] = request.block_ids
+        request.block_ids = []
+        if not request.is_finished:
+            self._requeue(request, arrived=False)
+        return request
+
     def fetch_done(self, request_id: int | str, ok: bool) -> Request | None:
-        """A read finished (`ok`) or failed; returns the request unless it was aborted meanwhile."""
+        """A read finished (`ok`) or failed; returns the request unless it was aborted or
+        abandoned meanwhile."""
+        if request_id in self.abandoned:
+            self.blocks.free(self.abandoned.pop(request_id))
+            return None
         request = self.fetching.pop(request_id)
         if request.is_finished:
             self.blocks.free(request.block_ids)

@@ -179,3 +179,30 @@ def test_a_first_token_that_stops_holds_nothing(model):
     assert outs["r0"]["reason"] == FinishReason.STOP
     assert core.take_kv_holds() == [] and core.scheduler.blocks.num_used_blocks == 0
     core.close()
+
+
+def test_a_read_that_outlives_the_lease_is_abandoned_and_recomputed(model):
+    texts = prompts(2, seed=13)
+    p_core, d_core, mixed = make_core(model, K), make_core(model, K), make_core(model, K)
+    first, _ = prefill(p_core, texts)
+    for request in decode_requests(texts, first, deadline_s=5.0):
+        d_core.add_request(request)
+    fetches = d_core.start_kv_fetches()
+    reserved = d_core.scheduler.blocks.num_used_blocks
+    assert d_core.abandon_stale_fetches(now=time.time()) == []
+    assert sorted(d_core.abandon_stale_fetches(now=time.time() + 6.0)) == ["r0", "r1"]
+    got = {}
+    drain(d_core, got)  # NOTE: the reads have not returned: the recompute runs in other blocks
+    assert d_core.num_kv_fallbacks == 2
+    assert d_core.scheduler.blocks.num_used_blocks == reserved
+    for fetch in fetches:
+        d_core.kv_fetched(fetch.request_id, ok=True)  # the stuck reads come back late
+    assert d_core.scheduler.blocks.num_used_blocks == 0
+    for i, p in enumerate(texts):
+        mixed.add_request(EngineRequest(f"r{i}", p, params()))
+    want = {}
+    drain(mixed, want)
+    for rid in want:
+        assert first[rid]["tokens"] + got[rid]["tokens"] == want[rid]["tokens"]
+    for core in (p_core, d_core, mixed):
+        core.close()
