@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
+from paddle.base import core
 from paddle.incubate.nn.functional import fused_rms_norm
+
+# WHY: Paddle's fused CPU kernel (RmsNormAvxKernel) is built with AVX-512 instructions whatever the
+# host; on a CPU without avx512f (AMD EPYC before Zen 4) it dies of SIGILL. GPU builds use CUDA.
+_FUSED_OK = paddle.is_compiled_with_cuda() or core.supports_avx512f()
 
 
 class RMSNorm(nn.Layer):
@@ -16,7 +21,7 @@ class RMSNorm(nn.Layer):
         self.shard_axes = {"weight": None}
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if x.dtype == paddle.float32 and not self.training:
+        if _FUSED_OK and x.dtype == paddle.float32 and not self.training:
             # NOTE: one kernel instead of six; at serving sizes on CPU the dispatch is the cost.
             return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
         x32 = x if x.dtype == paddle.float32 else x.astype("float32")
