@@ -28,7 +28,7 @@ class OpsNotBuiltError(RuntimeError):
 
 
 @functools.cache
-def _registered_op_names() -> frozenset[str]:
+def registered_op_names() -> frozenset[str]:
     found = sorted(Path(__file__).parent.glob("_ops*.so"))
     if not found:
         raise OpsNotBuiltError("mtpserve/_ops*.so not found; run `make install` (or pip install -e .)")
@@ -37,7 +37,7 @@ def _registered_op_names() -> frozenset[str]:
 
 def run_op(name: str, *args):
     """Run a registered custom op by name (inputs first, then attributes, in the op's order)."""
-    if name not in _registered_op_names():
+    if name not in registered_op_names():
         raise KeyError(f"op {name!r} is not in the compiled library")
     return _C_ops._run_custom_op(name, *args)
 

@@ -43,8 +43,7 @@ class FusedColumns:
             weight, bias = None, self.bias
         else:
             weight, bias = self._concat()
-        y = self.serving.matmul(x, weight)  # [T, sum(out)]
-        return y + bias if bias is not None else y
+        return self.serving.matmul(x, weight, bias)  # [T, sum(out)]
 
     def _concat(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         weight = paddle.concat([p.weight for p in self.parts], axis=0)  # [sum(out), in]

@@ -20,26 +20,29 @@ from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import MLP, Attention
 from mtpserve.model.norm import RMSNorm
-from mtpserve.model.parallel import SINGLE, ReplicatedLinear, TensorParallel, VocabParallelEmbedding
+from mtpserve.model.parallel import (SINGLE, ReplicatedLinear, ServingWeight, TensorParallel,
+                                     VocabParallelEmbedding)
 
 
 class TokenTable:
     """Eval-mode copies: token_layernorm(E) @ W_token^T for this rank's vocabulary rows [V/tp, H], and
-    the hidden half of input_proj [H, H] (layout [in, out])."""
+    the hidden half of input_proj as a serving weight."""
 
     def __init__(self) -> None:
         self.table: paddle.Tensor | None = None
-        self.hidden_t: paddle.Tensor | None = None
+        self.hidden = ServingWeight()
 
     def freeze(self, layer: MTPLayer, embedding: VocabParallelEmbedding) -> None:
         with paddle.no_grad():
             hidden = embedding.weight.shape[1]
-            weight_t = layer.input_proj.weight.t()  # [2H, H]: rows 0..H-1 read prev_hidden, H..2H-1 the token
-            self.hidden_t = weight_t[:hidden].contiguous()
-            self.table = paddle.matmul(layer.token_layernorm(embedding.weight), weight_t[hidden:])
+            weight = layer.input_proj.weight  # [H, 2H]: columns 0..H-1 read prev_hidden, H..2H-1 the token
+            self.hidden.freeze(weight[:, :hidden])
+            self.table = paddle.matmul(layer.token_layernorm(embedding.weight), weight[:, hidden:],
+                                       transpose_y=True)
 
     def thaw(self) -> None:
-        self.table = self.hidden_t = None
+        self.table = None
+        self.hidden.thaw()
 
 
 class MTPLayer(nn.Layer):
@@ -76,7 +79,7 @@ class MTPLayer(nn.Layer):
         """input_proj(concat[hidden_layernorm(prev_hidden), token_layernorm(embed(token_ids))]) -> [T, H]."""
         if self.tokens.table is not None:
             token_part = embedding.lookup(token_ids, self.tokens.table)  # [T, H]
-            return paddle.matmul(self.hidden_layernorm(prev_hidden), self.tokens.hidden_t) + token_part
+            return self.tokens.hidden.matmul(self.hidden_layernorm(prev_hidden), None) + token_part
         joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(embedding(token_ids))],
                                axis=-1)  # [T, 2H]
         return self.input_proj(joined)

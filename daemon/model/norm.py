@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import paddle
-from paddle import nn
-from paddle.base import core
-from paddle.incubate.nn.functional import fused_rms_norm
+import functools
 
-# WHY: Paddle's fused CPU kernel (RmsNormAvxKernel) is built with AVX-512 instructions whatever the
-# host; on a CPU without avx512f (AMD EPYC before Zen 4) it dies of SIGILL. GPU builds use CUDA.
-_FUSED_OK = paddle.is_compiled_with_cuda() or core.supports_avx512f()
+import paddle
+from paddle import _C_ops, nn
+from paddle.incubate.nn.functional import fused_rms_norm
 
 
 class RMSNorm(nn.Layer):
@@ -21,9 +18,26 @@ class RMSNorm(nn.Layer):
         self.shard_axes = {"weight": None}
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if _FUSED_OK and x.dtype == paddle.float32 and not self.training:
-            # NOTE: one kernel instead of six; at serving sizes on CPU the dispatch is the cost.
-            return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
+        # NOTE: serving uses one kernel instead of six; at serving sizes on CPU the dispatch is the cost.
+        if x.dtype == paddle.float32 and not self.training:
+            if _cpu_op_built():
+                return _C_ops._run_custom_op("mtp_rms_norm", x, self.weight, self.eps)[0]
+            if paddle.is_compiled_with_cuda():
+                return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
         x32 = x if x.dtype == paddle.float32 else x.astype("float32")
         normed = x32 * paddle.rsqrt((x32 * x32).mean(axis=-1, keepdim=True) + self.eps)
         return (normed if normed.dtype == x.dtype else normed.astype(x.dtype)) * self.weight
+
+
+@functools.cache
+def _cpu_op_built() -> bool:
+    """mtp_rms_norm (ops_ext/rms_norm.cc) on a CPU-only Paddle. Not Paddle's fused CPU kernel: it is
+    built with AVX-512 instructions whatever the host and dies of SIGILL on AMD EPYC before Zen 4."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    from mtpserve import ops
+
+    try:
+        return "mtp_rms_norm" in ops.registered_op_names()
+    except ops.OpsNotBuiltError:
+        return False
