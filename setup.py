@@ -33,7 +33,7 @@ def op_extension():
     from paddle.utils.cpp_extension import CppExtension, CUDAExtension
 
     make = CUDAExtension if paddle.is_compiled_with_cuda() else CppExtension
-    flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-function"]
+    flags = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-function"]
     if paddle.is_compiled_with_cuda():
         flags = {"cxx": flags, "nvcc": ["-O2", "-DMTPSERVE_WITH_CUDA"]}
     return make(

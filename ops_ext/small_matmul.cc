@@ -8,8 +8,8 @@
 // little more than one, and the verify pass of speculative decoding stops paying per draft for weight
 // traffic.
 //
-// Each output row is computed by the same code in the same order whatever M is, so a row's result does
-// not depend on how many rows share the call: greedy decoding with and without drafts computes the
+// Each output row is summed in the same order (even and odd k apart, then added) whatever M is and
+// whichever tile it falls in, so a row's result does not depend on how many rows share the call: greedy decoding with and without drafts computes the
 // same logits for the same position.
 //
 // Python wrapper: mtpserve.model.small_matmul (it packs weights and decides when this op is used).
@@ -37,71 +37,98 @@ struct Operands {
   int64_t k, n;
 };
 
+constexpr int kRowTile = 3;  // rows sharing each weight load: 12 accumulators + 2 weights + 1 input
+
 #if MTP_HAVE_X86
-// One row against one panel. Even and odd k go to separate accumulators: with a single chain per
-// register the loop waits out the FMA latency on every k (measured: ~40% slower with the weight in
-// cache). The panel is read from memory for the first row and from L1 for the others.
-__attribute__((target("avx2,fma"))) void RowAvx2(const Operands& op, const float* x, const float* panel,
-                                                  float* y, int64_t col) {
-  __m256 even0 = _mm256_setzero_ps(), even1 = _mm256_setzero_ps();
-  __m256 odd0 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
+// Up to three rows against one panel. Even and odd k go to separate accumulators: with one chain per
+// register the loop would wait out the FMA latency on every k. Only one half-panel's two weight
+// registers are live at a time, so the 12 accumulators stay in registers (every loop over the rows
+// must be unrolled for that: one rolled loop and GCC keeps the arrays on the stack).
+template <int Rows>
+__attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const float* x, const float* panel,
+                                                   float* y, int64_t col) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 even[3][2] = {{zero, zero}, {zero, zero}, {zero, zero}};
+  __m256 odd[3][2] = {{zero, zero}, {zero, zero}, {zero, zero}};
   int64_t i = 0;
   for (; i + 1 < op.k; i += 2) {
     const float* w = panel + i * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel), _MM_HINT_T0);
-    const __m256 a = _mm256_broadcast_ss(x + i);
-    const __m256 b = _mm256_broadcast_ss(x + i + 1);
-    even0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(w), even0);
-    even1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(w + 8), even1);
-    odd0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + kPanel), odd0);
-    odd1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + kPanel + 8), odd1);
+    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 3
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * op.k + i);
+      even[r][0] = _mm256_fmadd_ps(a, w0, even[r][0]);
+      even[r][1] = _mm256_fmadd_ps(a, w1, even[r][1]);
+    }
+    w0 = _mm256_loadu_ps(w + kPanel);
+    w1 = _mm256_loadu_ps(w + kPanel + 8);
+#pragma GCC unroll 3
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * op.k + i + 1);
+      odd[r][0] = _mm256_fmadd_ps(a, w0, odd[r][0]);
+      odd[r][1] = _mm256_fmadd_ps(a, w1, odd[r][1]);
+    }
   }
   if (i < op.k) {  // odd K: the last k joins the even chain
-    const __m256 a = _mm256_broadcast_ss(x + i);
-    even0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + i * kPanel), even0);
-    even1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + i * kPanel + 8), even1);
+    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
+#pragma GCC unroll 3
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * op.k + i);
+      even[r][0] = _mm256_fmadd_ps(a, w0, even[r][0]);
+      even[r][1] = _mm256_fmadd_ps(a, w1, even[r][1]);
+    }
   }
-  __m256 lo = _mm256_add_ps(even0, odd0), hi = _mm256_add_ps(even1, odd1);
-  if (op.bias) {
-    lo = _mm256_add_ps(lo, _mm256_loadu_ps(op.bias + col));
-    hi = _mm256_add_ps(hi, _mm256_loadu_ps(op.bias + col + 8));
+  const __m256 b0 = op.bias ? _mm256_loadu_ps(op.bias + col) : zero;
+  const __m256 b1 = op.bias ? _mm256_loadu_ps(op.bias + col + 8) : zero;
+#pragma GCC unroll 3
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_ps(y + r * op.n + col, _mm256_add_ps(_mm256_add_ps(even[r][0], odd[r][0]), b0));
+    _mm256_storeu_ps(y + r * op.n + col + 8, _mm256_add_ps(_mm256_add_ps(even[r][1], odd[r][1]), b1));
   }
-  _mm256_storeu_ps(y + col, lo);
-  _mm256_storeu_ps(y + col + 8, hi);
 }
 #endif
 
 // The same arithmetic without AVX2 (any x86-64 or another architecture): slow, but never wrong.
-void RowPortable(const Operands& op, const float* x, const float* panel, float* y, int64_t col) {
-  float even[kPanel] = {}, odd[kPanel] = {};
-  int64_t i = 0;
-  for (; i + 1 < op.k; i += 2)
-    for (int j = 0; j < kPanel; ++j) {
-      even[j] += x[i] * panel[i * kPanel + j];
-      odd[j] += x[i + 1] * panel[(i + 1) * kPanel + j];
-    }
-  if (i < op.k)
-    for (int j = 0; j < kPanel; ++j) even[j] += x[i] * panel[i * kPanel + j];
-  for (int j = 0; j < kPanel; ++j) y[col + j] = even[j] + odd[j] + (op.bias ? op.bias[col + j] : 0.0f);
+template <int Rows>
+void TilePortable(const Operands& op, const float* x, const float* panel, float* y, int64_t col) {
+  for (int r = 0; r < Rows; ++r) {
+    const float* xr = x + r * op.k;
+    float even[kPanel] = {}, odd[kPanel] = {};
+    int64_t i = 0;
+    for (; i + 1 < op.k; i += 2)
+      for (int j = 0; j < kPanel; ++j) {
+        even[j] += xr[i] * panel[i * kPanel + j];
+        odd[j] += xr[i + 1] * panel[(i + 1) * kPanel + j];
+      }
+    if (i < op.k)
+      for (int j = 0; j < kPanel; ++j) even[j] += xr[i] * panel[i * kPanel + j];
+    for (int j = 0; j < kPanel; ++j) y[r * op.n + col + j] = even[j] + odd[j] + (op.bias ? op.bias[col + j] : 0.0f);
+  }
+}
+
+template <int Rows>
+void Tile(bool avx2, const Operands& op, int64_t row, int64_t col) {
+  const float* x = op.x + row * op.k;
+  const float* panel = op.panels + col * op.k;  // panel col/16 starts at (col/16) * K * 16
+  float* y = op.y + row * op.n;
+#if MTP_HAVE_X86
+  if (avx2) return TileAvx2<Rows>(op, x, panel, y, col);
+#endif
+  TilePortable<Rows>(op, x, panel, y, col);
 }
 
 void Multiply(const Operands& op, int64_t m) {
 #if MTP_HAVE_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  constexpr bool avx2 = false;
 #endif
   for (int64_t col = 0; col < op.n; col += kPanel) {
-    const float* panel = op.panels + col * op.k;  // panel col/16 starts at (col/16) * K * 16
-    for (int64_t row = 0; row < m; ++row) {
-      const float* x = op.x + row * op.k;
-      float* y = op.y + row * op.n;
-#if MTP_HAVE_X86
-      if (avx2) {
-        RowAvx2(op, x, panel, y, col);
-        continue;
-      }
-#endif
-      RowPortable(op, x, panel, y, col);
-    }
+    int64_t row = 0;
+    for (; row + kRowTile <= m; row += kRowTile) Tile<kRowTile>(avx2, op, row, col);
+    if (m - row == 2) Tile<2>(avx2, op, row, col);
+    if (m - row == 1) Tile<1>(avx2, op, row, col);
   }
 }
 

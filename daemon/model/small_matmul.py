@@ -1,9 +1,9 @@
 """Few-row products on CPU hosts: the `mtp_small_matmul` op (ops_ext/small_matmul.cc) and its weights.
 
 A serving weight `[K, N]` is also kept as column panels `[N/16, K, 16]` (a second copy: the memory is
-the price of reading each weight byte once per step). Steps with at most `MAX_ROWS` rows (decode and
-verify at small batch) use the op; larger ones (prefill, large batches) stay on Paddle's matmul, which
-is faster there. GPU hosts never pack: their matmul has no such gap.
+the price of reading each weight byte once per step). Steps of `MIN_ROWS` to `MAX_ROWS` rows (verify
+passes and drafting at small batch) use the op; one row and larger steps (prefill, large batches) stay
+on Paddle's matmul, which is faster there. GPU hosts never pack: their matmul has no such gap.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import paddle
 from paddle import _C_ops
 
 PANEL = 16
-# NOTE: measured on a 2-core AMD EPYC host from a cold cache ([M, 256] x [256, 1536]): the op takes
-# 61/71/88/110 us for 1-4 rows against MKL's 60-80/155-180/180-210/170-220; from about 6 rows MKL wins.
-MIN_ROWS, MAX_ROWS = 2, 4
+# NOTE: measured on a 2-core AMD EPYC host cycling through 16 weights ([M, 256] x [256, 1536]): the op
+# takes 90/103/116/142/155/181 us for 1/2/3/4/6/8 rows against MKL's 66/166/199/197/195/170. One row is
+# MKL's GEMV at its best; from 8 rows MKL's GEMM amortises its packing.
+MIN_ROWS, MAX_ROWS = 2, 6
 
 
 @functools.cache
