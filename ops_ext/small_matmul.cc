@@ -1,5 +1,5 @@
 // mtp_small_matmul: y[M, N] = x[M, K] @ W + bias for the few rows of a decode or verify step on a CPU
-// host, with W pre-packed as [N/16, K, 16] (column panels of 16, each a contiguous stream).
+// host, with W pre-packed as [N/32, K, 32] (column panels of 32, each a contiguous stream).
 //
 // WHY: a batch-1 step with k drafts multiplies k+1 rows by every weight. Paddle's CPU matmul (MKL) is
 // fast for one row (a GEMV) and for many, but for 2 to 6 rows its GEMM path packs the weight on every
@@ -8,9 +8,9 @@
 // little more than one, and the verify pass of speculative decoding stops paying per draft for weight
 // traffic.
 //
-// Each output row is summed in the same order (even and odd k apart, then added) whatever M is and
-// whichever tile it falls in, so a row's result does not depend on how many rows share the call: greedy decoding with and without drafts computes the
-// same logits for the same position.
+// Each output row is summed in the same order (bias, then k ascending, one chain per column) whatever
+// M is and whichever tile it falls in, so a row's result does not depend on how many rows share the
+// call: greedy decoding with and without drafts computes the same logits for the same position.
 //
 // Python wrapper: mtpserve.model.small_matmul (it packs weights and decides when this op is used).
 #include <cstddef>
@@ -26,8 +26,9 @@
 
 namespace {
 
-constexpr int kPanel = 16;  // output columns per panel: two 8-float AVX registers
-constexpr int kPrefetchRows = 16;  // panel rows (of 64 bytes) read ahead of the FMA loop
+constexpr int kPanel = 32;  // output columns per panel: four 8-float AVX registers
+constexpr int kRowTile = 3;  // rows sharing each weight load: 12 accumulators + 1 input register
+constexpr int kPrefetchRows = 16;  // panel rows (of 128 bytes) read ahead of the FMA loop
 
 struct Operands {
   const float* x;
@@ -37,55 +38,34 @@ struct Operands {
   int64_t k, n;
 };
 
-constexpr int kRowTile = 3;  // rows sharing each weight load: 12 accumulators + 2 weights + 1 input
-
 #if MTP_HAVE_X86
-// Up to three rows against one panel. Even and odd k go to separate accumulators: with one chain per
-// register the loop would wait out the FMA latency on every k. Only one half-panel's two weight
-// registers are live at a time, so the 12 accumulators stay in registers (every loop over the rows
-// must be unrolled for that: one rolled loop and GCC keeps the arrays on the stack).
+// Up to three rows against one 32-column panel: per k, four weight loads feed 4 * Rows FMAs into
+// independent accumulators (12 chains at three rows, enough to hide the FMA latency). Every loop over
+// rows or registers must be unrolled: one rolled loop and GCC keeps the accumulators on the stack.
 template <int Rows>
 __attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const float* x, const float* panel,
                                                    float* y, int64_t col) {
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 even[3][2] = {{zero, zero}, {zero, zero}, {zero, zero}};
-  __m256 odd[3][2] = {{zero, zero}, {zero, zero}, {zero, zero}};
-  int64_t i = 0;
-  for (; i + 1 < op.k; i += 2) {
+  __m256 acc[Rows][4];
+#pragma GCC unroll 3
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      acc[r][j] = op.bias ? _mm256_loadu_ps(op.bias + col + 8 * j) : _mm256_setzero_ps();
+  for (int64_t i = 0; i < op.k; ++i) {
     const float* w = panel + i * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel), _MM_HINT_T0);
-    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel + 16), _MM_HINT_T0);
 #pragma GCC unroll 3
     for (int r = 0; r < Rows; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * op.k + i);
-      even[r][0] = _mm256_fmadd_ps(a, w0, even[r][0]);
-      even[r][1] = _mm256_fmadd_ps(a, w1, even[r][1]);
-    }
-    w0 = _mm256_loadu_ps(w + kPanel);
-    w1 = _mm256_loadu_ps(w + kPanel + 8);
-#pragma GCC unroll 3
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * op.k + i + 1);
-      odd[r][0] = _mm256_fmadd_ps(a, w0, odd[r][0]);
-      odd[r][1] = _mm256_fmadd_ps(a, w1, odd[r][1]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(w + 8 * j), acc[r][j]);
     }
   }
-  if (i < op.k) {  // odd K: the last k joins the even chain
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
 #pragma GCC unroll 3
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * op.k + i);
-      even[r][0] = _mm256_fmadd_ps(a, w0, even[r][0]);
-      even[r][1] = _mm256_fmadd_ps(a, w1, even[r][1]);
-    }
-  }
-  const __m256 b0 = op.bias ? _mm256_loadu_ps(op.bias + col) : zero;
-  const __m256 b1 = op.bias ? _mm256_loadu_ps(op.bias + col + 8) : zero;
-#pragma GCC unroll 3
-  for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_ps(y + r * op.n + col, _mm256_add_ps(_mm256_add_ps(even[r][0], odd[r][0]), b0));
-    _mm256_storeu_ps(y + r * op.n + col + 8, _mm256_add_ps(_mm256_add_ps(even[r][1], odd[r][1]), b1));
-  }
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + r * op.n + col + 8 * j, acc[r][j]);
 }
 #endif
 
@@ -93,24 +73,18 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const floa
 template <int Rows>
 void TilePortable(const Operands& op, const float* x, const float* panel, float* y, int64_t col) {
   for (int r = 0; r < Rows; ++r) {
-    const float* xr = x + r * op.k;
-    float even[kPanel] = {}, odd[kPanel] = {};
-    int64_t i = 0;
-    for (; i + 1 < op.k; i += 2)
-      for (int j = 0; j < kPanel; ++j) {
-        even[j] += xr[i] * panel[i * kPanel + j];
-        odd[j] += xr[i + 1] * panel[(i + 1) * kPanel + j];
-      }
-    if (i < op.k)
-      for (int j = 0; j < kPanel; ++j) even[j] += xr[i] * panel[i * kPanel + j];
-    for (int j = 0; j < kPanel; ++j) y[r * op.n + col + j] = even[j] + odd[j] + (op.bias ? op.bias[col + j] : 0.0f);
+    float acc[kPanel];
+    for (int j = 0; j < kPanel; ++j) acc[j] = op.bias ? op.bias[col + j] : 0.0f;
+    for (int64_t i = 0; i < op.k; ++i)
+      for (int j = 0; j < kPanel; ++j) acc[j] += x[r * op.k + i] * panel[i * kPanel + j];
+    std::memcpy(y + r * op.n + col, acc, sizeof(acc));
   }
 }
 
 template <int Rows>
 void Tile(bool avx2, const Operands& op, int64_t row, int64_t col) {
   const float* x = op.x + row * op.k;
-  const float* panel = op.panels + col * op.k;  // panel col/16 starts at (col/16) * K * 16
+  const float* panel = op.panels + col * op.k;  // panel col/32 starts at (col/32) * K * 32
   float* y = op.y + row * op.n;
 #if MTP_HAVE_X86
   if (avx2) return TileAvx2<Rows>(op, x, panel, y, col);
@@ -139,7 +113,7 @@ std::vector<paddle::Tensor> SmallMatmul(const paddle::Tensor& x, const paddle::T
            "mtp_small_matmul takes float32");
   const auto& xs = x.shape();
   const auto& ps = panels.shape();
-  PD_CHECK(xs.size() == 2 && ps.size() == 3 && ps[2] == kPanel, "x must be [M, K], panels [N/16, K, 16]");
+  PD_CHECK(xs.size() == 2 && ps.size() == 3 && ps[2] == kPanel, "x must be [M, K], panels [N/32, K, 32]");
   PD_CHECK(xs[1] == ps[1], "x has ", xs[1], " columns, the weight ", ps[1], " rows");
   const int64_t n = ps[0] * kPanel;
   const paddle::Tensor xc = x.is_contiguous() ? x : x.contiguous();

@@ -1,6 +1,6 @@
 """Few-row products on CPU hosts: the `mtp_small_matmul` op (ops_ext/small_matmul.cc) and its weights.
 
-A serving weight `[K, N]` is also kept as column panels `[N/16, K, 16]` (a second copy: the memory is
+A serving weight `[K, N]` is also kept as column panels `[N/32, K, 32]` (a second copy: the memory is
 the price of reading each weight byte once per step). Steps of `MIN_ROWS` to `MAX_ROWS` rows (verify
 passes and drafting at small batch) use the op; one row and larger steps (prefill, large batches) stay
 on Paddle's matmul, which is faster there. GPU hosts never pack: their matmul has no such gap.
@@ -13,9 +13,9 @@ import functools
 import paddle
 from paddle import _C_ops
 
-PANEL = 16
+PANEL = 32
 # NOTE: measured on a 2-core AMD EPYC host cycling through 16 weights ([M, 256] x [256, 1536]): the op
-# takes 90/103/116/142/155/181 us for 1/2/3/4/6/8 rows against MKL's 66/166/199/197/195/170. One row is
+# takes 121/121/122/164/169/200 us for 1/2/3/4/6/8 rows against MKL's 68/214/228/233/242/201. One row is
 # MKL's GEMV at its best; from 8 rows MKL's GEMM amortises its packing.
 MIN_ROWS, MAX_ROWS = 2, 6
 
@@ -34,7 +34,7 @@ def available() -> bool:
 
 
 def pack(weight_t: paddle.Tensor) -> paddle.Tensor | None:
-    """[K, N] (in, out) -> [N/16, K, 16] panels, or None where the op cannot serve this weight."""
+    """[K, N] (in, out) -> [N/32, K, 32] panels, or None where the op cannot serve this weight."""
     k, n = weight_t.shape
     if n % PANEL or not weight_t.place.is_cpu_place() or weight_t.dtype != paddle.float32 or not available():
         return None
