@@ -13,7 +13,7 @@ from dataclasses import dataclass
 PREFILL, DECODE = "prefill", "decode"
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: identity: two backends are never "the same" by their fields
 class Backend:
     url: str  # scheme://host:port, no trailing slash
     role: str  # PREFILL | DECODE
@@ -42,13 +42,16 @@ class BackendPool:
     def num_healthy(self) -> int:
         return sum(b.healthy for b in self.backends)
 
-    def pick(self) -> Backend | None:
-        """The healthy backend with the fewest requests in flight; None when none is healthy."""
+    def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend | None:
+        """The healthy backend with the fewest requests in flight, other than `exclude`; None when
+        there is none."""
         count = len(self.backends)
         best: tuple[int, int] | None = None  # (in_flight, index)
         for step in range(count):
             index = (self._next + step) % count
             backend = self.backends[index]
+            if backend in exclude:
+                continue
             if backend.healthy and (best is None or backend.in_flight < best[0]):
                 best = (backend.in_flight, index)
         if best is None:
@@ -60,11 +63,27 @@ class BackendPool:
         return [b.describe() for b in self.backends]
 
 
+class Reservation:
+    """A request counted against one backend; it moves when the request fails over to another."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        backend.in_flight += 1
+
+    def move_to(self, backend: Backend) -> None:
+        self.backend.in_flight -= 1
+        self.backend = backend
+        backend.in_flight += 1
+
+    def end(self) -> None:
+        self.backend.in_flight -= 1
+
+
 @contextlib.contextmanager
-def in_flight(backend: Backend) -> Iterator[Backend]:
-    """Count a request against `backend` for as long as the block runs."""
-    backend.in_flight += 1
+def in_flight(backend: Backend) -> Iterator[Reservation]:
+    """Count a request against `backend` (or where it moves) for as long as the block runs."""
+    held = Reservation(backend)
     try:
-        yield backend
+        yield held
     finally:
-        backend.in_flight -= 1
+        held.end()

@@ -4,6 +4,7 @@ Names: `mtpserve:router_requests_total{route,outcome}`, `mtpserve:router_backend
 `mtpserve:router_time_to_first_token_seconds` (streams: arrival at the router to the first event
 written to the client), `mtpserve:router_kv_handoff_seconds` (streams: prefill's last event to the
 decode's first, i.e. the decode's KV read plus its first step), `mtpserve:router_releases_total{outcome}`,
+`mtpserve:router_failovers_total{role}` (a request moved to another instance of the role: failover.py),
 and gauges read at scrape time: `mtpserve:router_backend_in_flight{role,url}`,
 `mtpserve:router_backend_healthy{role,url}`.
 """
@@ -40,6 +41,8 @@ class RouterMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.releases = Counter("mtpserve:router_releases", "POST /v1/pd/release calls by outcome.",
                                 ["outcome"], registry=self.registry)
+        self.failovers = Counter("mtpserve:router_failovers", "Requests moved to another instance of a role.",
+                                 ["role"], registry=self.registry)
         self._in_flight = Gauge("mtpserve:router_backend_in_flight", "Requests in flight per backend.",
                                 ["role", "url"], registry=self.registry)
         self._healthy = Gauge("mtpserve:router_backend_healthy", "1 when the backend's /health answered 200.",

@@ -1,6 +1,7 @@
 """One streamed request through a prefill then a decode instance (docs/pd.md, steps 2-8).
 
 1. POST the body to the prefill; a 4xx is passed through, a failure is a 502/503 (nothing sent yet).
+   An instance that cannot take it is replaced by another of its role (failover.py), here and in 4.
 2. Start the client's stream and relay the prefill's events, keeping back its `kv_transfer_params`
    event (and a `[DONE]`, should it send one).
 3. No params: the first token ended the request; send `[DONE]`.
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import structlog
 from aiohttp import web
 
-from mtpserve.router.backends import Backend, in_flight
+from mtpserve.router.backends import Backend, Reservation, in_flight
 from mtpserve.router.client_stream import ClientStream
 from mtpserve.router.events import DONE, SseReader, is_error, kv_transfer_params
 from mtpserve.router.failures import BackendFailure, BackendRejected
@@ -40,11 +41,12 @@ class PrefillRelay:
     whether KV is held and needs its release)."""
 
     def __init__(self) -> None:
+        self.prefill: Backend | None = None  # the instance that answered (after any failover)
         self.kv: dict | None = None  # None at the end: the request ended at the prefill
         self.had_error = False  # the prefill sent an error event
 
 
-async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, decode: Backend,
+async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, decode: Reservation,
                     metrics: RouterMetrics) -> Result:
     client = ClientStream(request, metrics)
     relay = PrefillRelay()
@@ -52,7 +54,7 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         await _prefill(stages, prefill, client, relay)
         if relay.kv is None:
             return Result(await client.finish(send_done=True), BACKEND_ERROR if relay.had_error else PREFILL_ONLY)
-        release = stages.release_once(prefill, relay.kv)
+        release = stages.release_once(relay.prefill, relay.kv)
         await _decode(stages, decode, relay.kv, client, release, metrics)
         return Result(await client.finish(send_done=False), COMPLETED)
     except BackendRejected as rejected:
@@ -71,19 +73,20 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         log.exception("router stream failed", path=request.path)
         return Result(await client.fail(ApiError(500, "Internal router error.").body()), BACKEND_ERROR)
     finally:
-        _release_held(stages, prefill, relay)
+        _release_held(stages, relay)
 
 
-def _release_held(stages: Stages, prefill: Backend, relay: PrefillRelay) -> None:
+def _release_held(stages: Stages, relay: PrefillRelay) -> None:
     """Release the prefill's KV if it is held; a repeat of an earlier release is a no-op."""
-    if relay.kv is not None:
+    if relay.kv is not None and relay.prefill is not None:
         with contextlib.suppress(BackendFailure):  # NOTE: no transfer_id, nothing we can release
-            stages.release_once(prefill, relay.kv)()
+            stages.release_once(relay.prefill, relay.kv)()
 
 
 async def _prefill(stages: Stages, prefill: Backend, client: ClientStream, relay: PrefillRelay) -> None:
-    with in_flight(prefill):
-        async with stages.post(prefill, stream=True) as response:
+    with in_flight(prefill) as held:
+        async with stages.call(held, stream=True) as response:
+            relay.prefill = held.backend
             await client.start(response.headers.get("X-Request-Id"))
             await _relay_prefill(SseReader(response, prefill), client, relay)
 
@@ -102,11 +105,11 @@ async def _relay_prefill(reader: SseReader, client: ClientStream, relay: Prefill
             await client.write(b"".join(kept))
 
 
-async def _decode(stages: Stages, decode: Backend, kv: dict, client: ClientStream, release: ReleaseOnce,
+async def _decode(stages: Stages, decode: Reservation, kv: dict, client: ClientStream, release: ReleaseOnce,
                   metrics: RouterMetrics) -> None:
     handed_off = time.monotonic()
-    async with stages.post(decode, stream=True, kv=kv) as response:
-        reader = SseReader(response, decode)
+    async with stages.call(decode, stream=True, kv=kv) as response:
+        reader = SseReader(response, decode.backend)
         batch = await reader.next_batch()
         release()
         metrics.handoff.observe(time.monotonic() - handed_off)
@@ -116,4 +119,4 @@ async def _decode(stages: Stages, decode: Backend, kv: dict, client: ClientStrea
                 return
             await client.write(b"".join(batch))
             batch = await reader.next_batch()
-        raise BackendFailure(decode, "truncated", "ended its stream without [DONE]")
+        raise BackendFailure(decode.backend, "truncated", "ended its stream without [DONE]")

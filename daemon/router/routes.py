@@ -42,11 +42,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, ctx: RouterContext) -> Result:
     body = prepare_body(await request.read(), completions=request.path == "/v1/completions")
     prefill, decode = _pick(ctx.prefill), _pick(ctx.decode)
-    stages = Stages(ctx.upstream, request, body)
-    with in_flight(decode):
+    stages = Stages(ctx.upstream, (ctx.prefill, ctx.decode), ctx.metrics, request, body)
+    with in_flight(decode) as decode_held:
         if is_stream(body):
-            return await stream_pd(stages, request, prefill, decode, ctx.metrics)
-        return await json_pd(stages, prefill, decode)
+            return await stream_pd(stages, request, prefill, decode_held, ctx.metrics)
+        return await json_pd(stages, prefill, decode_held)
 
 
 def _pick(pool: BackendPool) -> Backend:

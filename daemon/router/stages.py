@@ -15,8 +15,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from mtpserve.router.backends import Backend
+from mtpserve.router.backends import Backend, BackendPool, Reservation
+from mtpserve.router.failover import first_answer
 from mtpserve.router.failures import BackendFailure, BackendRejected
+from mtpserve.router.metrics import RouterMetrics
 from mtpserve.router.upstream import Upstream
 
 STAGE_HEADER = "X-PD-Stage"
@@ -24,8 +26,11 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Stages:
-    def __init__(self, upstream: Upstream, request: web.Request, body: dict) -> None:
+    def __init__(self, upstream: Upstream, pools: tuple[BackendPool, BackendPool], metrics: RouterMetrics,
+                 request: web.Request, body: dict) -> None:
         self.upstream = upstream
+        self._pools = {pool.role: pool for pool in pools}
+        self._metrics = metrics
         self.body = body
         self._path = request.path
         self.authorization = request.headers.get("Authorization")
@@ -33,9 +38,19 @@ class Stages:
         self._release: ReleaseOnce | None = None
 
     @contextlib.asynccontextmanager
+    async def call(self, held: Reservation, stream: bool,
+                   kv: dict | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`post` to the held backend, failing over to another of its role when it cannot take the
+        request (failover.py); `held` ends on the backend that answered."""
+        pool = self._pools[held.backend.role]
+        async with first_answer(pool, held, lambda backend: self.post(backend, stream, kv),
+                                lambda failed: self._metrics.failovers.labels(pool.role).inc()) as response:
+            yield response
+
+    @contextlib.asynccontextmanager
     async def post(self, backend: Backend, stream: bool,
                    kv: dict | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """The prefill call without `kv`, the decode call with it."""
+        """The prefill call without `kv`, the decode call with it; one backend, no failover."""
         body = self.body if kv is None else {**self.body, "kv_transfer_params": kv}
         headers = {"Content-Type": "application/json", STAGE_HEADER: backend.role}
         if self.authorization:

@@ -6,7 +6,8 @@ Roles: `mixed` answers the whole request (the reference a PD answer must equal),
 `X-Request-Id` header becomes its response id (and the answer's `X-Request-Id`). The "model" emits
 `max_tokens` tokens ` w<seed % 1000 + i>`, token i with logprob -(i + 1) / 10.
 
-Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `die_after`
+Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `unavailable`
+(503, as a draining instance answers), `die_after`
 (events sent before the transport is aborted), `hang_after` (events before it stops sending), `end_after` (events before
 the body ends cleanly),
 `no_kv` (the first token ends the request).
@@ -39,7 +40,7 @@ class FakeInstance:
         self.seen: list[Seen] = []
         self.releases: list[list[int]] = []
         self.health_status = 200
-        self.reject = self.crash = self.no_kv = False
+        self.reject = self.crash = self.unavailable = self.no_kv = False
         self.die_after: int | None = None
         self.hang_after: int | None = None
         self.end_after: int | None = None
@@ -78,6 +79,9 @@ class FakeInstance:
                                                 "param": "prompt", "code": None}}, status=400)
         if self.crash:
             return web.Response(status=500, text="boom")
+        if self.unavailable:
+            return web.json_response({"error": {"message": "draining", "type": "service_unavailable_error",
+                                                "param": None, "code": None}}, status=503)
         plan = _Plan(self, request.path == "/v1/chat/completions", stage, body, request.headers.get("X-Request-Id"))
         if body.get("stream"):
             return await self._stream(request, plan)
