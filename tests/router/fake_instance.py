@@ -9,7 +9,7 @@ Roles: `mixed` answers the whole request (the reference a PD answer must equal),
 Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `unavailable`
 (503, as a draining instance answers), `die_after`
 (events sent before the transport is aborted), `hang_after` (events before it stops sending), `end_after` (events before
-the body ends cleanly),
+the body ends cleanly), `event_delay` (seconds before each group of events),
 `no_kv` (the first token ends the request).
 """
 
@@ -44,6 +44,7 @@ class FakeInstance:
         self.die_after: int | None = None
         self.hang_after: int | None = None
         self.end_after: int | None = None
+        self.event_delay = 0.0
         self.die_with_reset = True
         self.cancelled = asyncio.Event()
         self._next_transfer_id = 100
@@ -101,6 +102,7 @@ class FakeInstance:
                 if i == self.hang_after:
                     await asyncio.sleep(3600)
                 if i < len(groups):
+                    await asyncio.sleep(self.event_delay)
                     await response.write(b"".join(map(_event, groups[i])))
         except asyncio.CancelledError:
             self.cancelled.set()
