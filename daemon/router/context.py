@@ -8,6 +8,7 @@ from aiohttp import web
 
 from mtpserve.router.backends import DECODE, PREFILL, BackendPool
 from mtpserve.router.config import RouterConfig
+from mtpserve.router.drain import Drain
 from mtpserve.router.metrics import RouterMetrics
 from mtpserve.router.upstream import Upstream
 
@@ -18,6 +19,7 @@ class RouterContext:
     prefill: BackendPool
     decode: BackendPool
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    drain: Drain = field(default_factory=Drain)
     upstream: Upstream | None = None  # NOTE: made inside the loop (app cleanup context)
 
     @classmethod

@@ -1,5 +1,5 @@
 """`mtpserve router --prefill URL... --decode URL...`: serve until SIGTERM/SIGINT, then stop listening
-and give in-flight requests `--drain-timeout` seconds before they are cut."""
+and give in-flight requests `--drain-timeout` seconds before they are cut (drain.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from aiohttp import web
 from mtpserve.notify import Notifier
 from mtpserve.router.app import make_app
 from mtpserve.router.config import RouterConfig, parse_args
+from mtpserve.router.context import ROUTER
 
 log = structlog.get_logger("mtpserve.router")
+CLEANUP_TIMEOUT_S = 5.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def serve(config: RouterConfig) -> None:
+    # NOTE: generation requests drain in drain.py before cleanup; what aiohttp still waits for then is
+    # /health or /v1/models calls, which are short.
     runner = web.AppRunner(make_app(config), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.drain_timeout)
+                           shutdown_timeout=CLEANUP_TIMEOUT_S)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("router listening", host=config.host, port=config.port, prefill=list(config.prefill_urls),
@@ -44,9 +48,16 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("router stopping")
+    log.info("router stopping", drain_timeout=config.drain_timeout)
     notifier.stopping()
     watchdog.cancel()
+    drain = runner.app[ROUTER].drain
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, drain.hurry)  # NOTE: a second signal stops at once
+    for site in list(runner.sites):
+        await site.stop()  # NOTE: stops listening only; open connections stay for the drain
+    cut = await drain.run(config.drain_timeout)
+    log.info("router drained", requests_cut=cut)
     await runner.cleanup()
 
 

@@ -13,6 +13,7 @@ A backend failure after step 2 ends the client's stream with an error event and 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import NamedTuple
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from mtpserve.router.backends import Backend, Reservation, in_flight
 from mtpserve.router.client_stream import ClientStream
+from mtpserve.router.drain import SHUTDOWN_MESSAGE, absorb_cut, is_shutdown
 from mtpserve.router.events import DONE, SseReader, is_error, kv_transfer_params
 from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, COMPLETED, DISCONNECTED, PREFILL_ONLY, RouterMetrics
@@ -67,6 +69,12 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         return Result(await client.fail(failure.api_error().body()), BACKEND_ERROR)
     except ConnectionError:  # NOTE: a write to our client failed: it left
         return Result(client.response, DISCONNECTED)
+    except asyncio.CancelledError as exc:
+        if not (is_shutdown(exc) and client.started):
+            raise
+        absorb_cut()  # NOTE: the drain ended: the client hears it in-band, like any failure after the start
+        return Result(await client.fail(ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down").body()),
+                      BACKEND_ERROR)
     except Exception:  # NOTE: a bug must still end the stream in-band, never as a cut connection
         if not client.started:
             raise

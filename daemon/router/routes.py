@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mtpserve.router.backends import Backend, BackendPool, in_flight
 from mtpserve.router.context import ROUTER, RouterContext
+from mtpserve.router.drain import SHUTDOWN_MESSAGE, absorb_cut, is_shutdown
 from mtpserve.router.failures import BackendFailure, backend_errors, failure_from_status
 from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, DISCONNECTED
 from mtpserve.router.pipeline_json import json_pd
@@ -28,11 +29,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ctx = request.app[ROUTER]
     route = ROUTES[request.path]
     try:
-        result = await _generate(request, ctx)
+        if ctx.drain.draining:
+            raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+        with ctx.drain.request():
+            result = await _generate(request, ctx)
     except ApiError as err:
         ctx.metrics.outcome(route, CLIENT_ERROR if err.status < 500 else BACKEND_ERROR)
         raise
-    except asyncio.CancelledError:  # NOTE: aiohttp cancels the handler when the client disconnects
+    except asyncio.CancelledError as exc:  # NOTE: aiohttp cancels the handler when the client disconnects
+        if is_shutdown(exc):  # cut at the end of the drain before any byte went out (streams answer themselves)
+            absorb_cut()
+            ctx.metrics.outcome(route, BACKEND_ERROR)
+            raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down") from None
         ctx.metrics.outcome(route, DISCONNECTED)
         raise
     ctx.metrics.outcome(route, result.outcome)
@@ -77,6 +85,9 @@ async def health(request: web.Request) -> web.Response:
     """200 while at least one prefill and one decode instance are healthy; else 503 saying why."""
     ctx = request.app[ROUTER]
     backends = {"prefill": ctx.prefill.describe(), "decode": ctx.decode.describe()}
+    if ctx.drain.draining:
+        err = ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+        return web.json_response({**err.body(), **backends}, status=503)
     if ctx.all_healthy_roles():
         return web.json_response({"status": "ok", **backends})
     missing = [p.role for p in (ctx.prefill, ctx.decode) if p.num_healthy == 0]

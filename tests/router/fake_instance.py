@@ -86,6 +86,7 @@ class FakeInstance:
         plan = _Plan(self, request.path == "/v1/chat/completions", stage, body, request.headers.get("X-Request-Id"))
         if body.get("stream"):
             return await self._stream(request, plan)
+        await asyncio.sleep(self.event_delay * len(plan.event_groups()))  # NOTE: as long as its stream
         return web.json_response(plan.whole_body(), headers={"X-Request-Id": plan.head["id"]})
 
     async def _stream(self, request: web.Request, plan: _Plan) -> web.StreamResponse:

@@ -82,3 +82,51 @@ async def test_sigterm_drains_streams_in_flight_and_takes_no_new_ones(prefill, d
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:
         await _stop(proc)
+
+
+async def _stream_until_decoding(session, base: str, decode) -> tuple[aiohttp.ClientResponse, bytes]:
+    resp = await session.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True})
+    first = await resp.content.readuntil(b"\n\n")
+    await until(lambda: decode.seen, what="the decode call")
+    return resp, first
+
+
+def _assert_cut(events: list) -> None:
+    assert events[-1] == DONE and events[-2]["error"]["code"] == "shutting_down"
+
+
+@pytest.mark.parametrize("drain, second_signal", [("0.5", False), ("60", True)])
+async def test_streams_still_running_when_the_drain_ends_get_an_error_event(prefill, decode, drain,
+                                                                           second_signal):
+    decode.event_delay = 1.0  # 20 tokens: far longer than a 0.5 s drain
+    proc, base = await _start(prefill, decode, "--drain-timeout", drain)
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp, first = await _stream_until_decoding(session, base, decode)
+            proc.send_signal(signal.SIGTERM)
+            if second_signal:  # the 60 s drain ends at once on a second SIGTERM
+                await asyncio.sleep(0.5)
+                assert proc.returncode is None
+                proc.send_signal(signal.SIGTERM)
+            events = sse_events(first + await asyncio.wait_for(resp.read(), 5))
+        _assert_cut(events)
+        await asyncio.wait_for(decode.cancelled.wait(), 5)  # the decode call was closed: it aborts
+        assert await asyncio.wait_for(proc.wait(), 5) == 0
+    finally:
+        await _stop(proc)
+
+
+async def test_a_json_request_cut_by_the_drain_gets_503(prefill, decode):
+    decode.event_delay = 1.0
+    proc, base = await _start(prefill, decode, "--drain-timeout", "0.5")
+    try:
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.ensure_future(session.post(base + "/v1/completions",
+                                                      json={"prompt": "x", "max_tokens": 20}))
+            await until(lambda: decode.seen, what="the decode call")
+            proc.send_signal(signal.SIGTERM)
+            resp = await asyncio.wait_for(call, 10)
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "shutting_down"
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        await _stop(proc)
