@@ -35,6 +35,18 @@ def registered_op_names() -> frozenset[str]:
     return frozenset(load_op_meta_info_and_register_op(str(found[0])))
 
 
+@functools.cache
+def cpu_op_available(name: str) -> bool:
+    """`name` is built into this install and Paddle is a CPU-only build (the CPU kernels of a step,
+    docs/architecture.md); registers the library on first use."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    try:
+        return name in registered_op_names()
+    except OpsNotBuiltError:
+        return False
+
+
 def run_op(name: str, *args):
     """Run a registered custom op by name (inputs first, then attributes, in the op's order)."""
     if name not in registered_op_names():

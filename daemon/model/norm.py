@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import paddle
 from paddle import _C_ops, nn
 from paddle.incubate.nn.functional import fused_rms_norm
+
+from mtpserve.ops import cpu_op_available
 
 
 class RMSNorm(nn.Layer):
@@ -20,7 +20,9 @@ class RMSNorm(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         # NOTE: serving uses one kernel instead of six; at serving sizes on CPU the dispatch is the cost.
         if x.dtype == paddle.float32 and not self.training:
-            if _cpu_op_built():
+            # NOTE: our kernel (ops_ext/rms_norm.cc), not Paddle's fused CPU one: that is built with
+            # AVX-512 instructions whatever the host and dies of SIGILL on AMD EPYC before Zen 4.
+            if cpu_op_available("mtp_rms_norm"):
                 return _C_ops._run_custom_op("mtp_rms_norm", x, self.weight, self.eps)[0]
             if paddle.is_compiled_with_cuda():
                 return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
@@ -28,16 +30,3 @@ class RMSNorm(nn.Layer):
         normed = x32 * paddle.rsqrt((x32 * x32).mean(axis=-1, keepdim=True) + self.eps)
         return (normed if normed.dtype == x.dtype else normed.astype(x.dtype)) * self.weight
 
-
-@functools.cache
-def _cpu_op_built() -> bool:
-    """mtp_rms_norm (ops_ext/rms_norm.cc) on a CPU-only Paddle. Not Paddle's fused CPU kernel: it is
-    built with AVX-512 instructions whatever the host and dies of SIGILL on AMD EPYC before Zen 4."""
-    if paddle.is_compiled_with_cuda():
-        return False
-    from mtpserve import ops
-
-    try:
-        return "mtp_rms_norm" in ops.registered_op_names()
-    except ops.OpsNotBuiltError:
-        return False

@@ -8,10 +8,10 @@ on Paddle's matmul, which is faster there. GPU hosts never pack: their matmul ha
 
 from __future__ import annotations
 
-import functools
-
 import paddle
 from paddle import _C_ops
+
+from mtpserve.ops import cpu_op_available
 
 PANEL = 32
 # NOTE: measured on a 2-core AMD EPYC host cycling through 16 weights ([M, 256] x [256, 1536]): the op
@@ -20,17 +20,9 @@ PANEL = 32
 MIN_ROWS, MAX_ROWS = 2, 6
 
 
-@functools.cache
 def available() -> bool:
     """The op is built into this install and Paddle runs on the CPU."""
-    if paddle.is_compiled_with_cuda():
-        return False
-    from mtpserve import ops
-
-    try:
-        return "mtp_small_matmul" in ops.registered_op_names()
-    except ops.OpsNotBuiltError:
-        return False
+    return cpu_op_available("mtp_small_matmul")
 
 
 def pack(weight_t: paddle.Tensor) -> paddle.Tensor | None:

@@ -2,8 +2,9 @@
 
 On SIGTERM the listening socket closes, /health and new requests on open connections get 503, and
 the generation requests in flight get `--drain-timeout` to finish (a second signal ends the wait at
-once). Those still running then are cut on purpose: a stream ends with an error event and `[DONE]` (its backend calls are closed, so the
-instances abort and the prefill's KV is released), a non-streamed request gets a 503.
+once). Those still running then are cut on purpose: a stream ends with an error event and `[DONE]`
+(its backend calls are closed, so the instances abort and the prefill's KV is released), a
+non-streamed request gets a 503.
 """
 
 from __future__ import annotations

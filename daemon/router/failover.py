@@ -27,7 +27,7 @@ Call = Callable[[Backend], AbstractAsyncContextManager[aiohttp.ClientResponse]]
 
 @contextlib.asynccontextmanager
 async def first_answer(pool: BackendPool, held: Reservation, call: Call,
-                       on_failover: Callable[[Backend], None]) -> AsyncIterator[aiohttp.ClientResponse]:
+                       on_failover: Callable[[], None]) -> AsyncIterator[aiohttp.ClientResponse]:
     """`call(held.backend)`'s response, or the first answer of the other healthy backends in turn
     (`held` moves to each one tried). Failures raised after the response is handed out are the
     caller's: they are never retried."""
@@ -44,7 +44,7 @@ async def first_answer(pool: BackendPool, held: Reservation, call: Call,
                 raise
             log.warning("backend failover", role=pool.role, failed=held.backend.url, reason=failure.kind,
                         next=following.url)
-            on_failover(held.backend)
+            on_failover()
             held.move_to(following)
             continue
         async with calling:

@@ -44,7 +44,7 @@ class Stages:
         request (failover.py); `held` ends on the backend that answered."""
         pool = self._pools[held.backend.role]
         async with first_answer(pool, held, lambda backend: self.post(backend, stream, kv),
-                                lambda failed: self._metrics.failovers.labels(pool.role).inc()) as response:
+                                self._metrics.failovers.labels(pool.role).inc) as response:
             yield response
 
     @contextlib.asynccontextmanager
