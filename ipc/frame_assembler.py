@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from mtpserve.ipc import wire
 from mtpserve.ipc.seq_tracker import SeqTracker
 from mtpserve.ipc.shm_ring import RingError, ShmRing
-from mtpserve.ipc.step_output import Frame, StepOutput
+from mtpserve.ipc.token_frame import Frame, TokenFrame
 from mtpserve.ipc.wire_decode import FrameHeader, WireError, decode_header, decode_payload
 
 _SEQ_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)
@@ -124,7 +124,7 @@ class FrameAssembler:
         self.stats.frames_lost += h.frame_seq - self._next_seq
 
     def _track(self, frame: Frame) -> Frame:
-        if self.tracker is None or not isinstance(frame, StepOutput) or frame.kind not in _SEQ_KINDS:
+        if self.tracker is None or not isinstance(frame, TokenFrame) or frame.kind not in _SEQ_KINDS:
             return frame
         ok = self.tracker.check(frame)
         errors = int(ok.size - ok.sum())

@@ -26,7 +26,7 @@ from mtpserve.ipc import sysv, wire
 from mtpserve.ipc.frame_assembler import FrameAssembler, ReaderStats
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.seq_tracker import SeqTracker
-from mtpserve.ipc.step_output import Frame
+from mtpserve.ipc.token_frame import Frame
 
 _STOP_MTYPE = 2  # the reader's own wake-up message on close (frames use mtype 1)
 

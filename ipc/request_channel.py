@@ -144,6 +144,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     kv_fetch_bytes: int = 0
     kv_fetch_seconds: float = 0.0
     num_kv_fallbacks: int = 0  # prefilled prompts recomputed here (read failed or lease too short)
+    num_preemptions: int = 0  # running requests sent back to waiting to free KV blocks
+    num_discarded_rows: int = 0  # computed rows whose request finished, aborted or was preempted after launch
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

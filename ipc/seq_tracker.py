@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtpserve.ipc import wire
-from mtpserve.ipc.step_output import StepOutput
+from mtpserve.ipc.token_frame import TokenFrame
 
 # [finish value] -> the request is over and forgotten (PREEMPTED requests resume at the same seq)
 _IS_DONE = np.zeros(int(max(wire.Finish)) + 1, bool)
@@ -54,7 +54,7 @@ class SeqTracker:
             else:
                 self._upsert(ids, np.array([start], np.int64))
 
-    def check(self, frame: StepOutput) -> np.ndarray:
+    def check(self, frame: TokenFrame) -> np.ndarray:
         """[B] bool: row i carries the seq the tracker expected. Then advances (resyncing wrong
         rows, so one loss is reported once) and forgets finished requests."""
         if self._pending:
@@ -79,7 +79,7 @@ class SeqTracker:
             self._upsert(self._hot_ids, self._hot_next)
             self._hot_ids = self._hot_next = None
 
-    def _check_cold(self, frame: StepOutput, seq: np.ndarray, done: np.ndarray) -> np.ndarray:
+    def _check_cold(self, frame: TokenFrame, seq: np.ndarray, done: np.ndarray) -> np.ndarray:
         ids = frame.req_ids
         pos, found = self._lookup(ids)
         expected = np.zeros(ids.size, np.int64)

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 
 from mtpserve.ipc import wire
-from mtpserve.ipc.step_output import ControlMessage, Frame, StepOutput
+from mtpserve.ipc.token_frame import ControlMessage, Frame, TokenFrame
 
 _FORMAT = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q"}
 HEADER_STRUCT = struct.Struct("<" + "".join(_FORMAT[t.lstrip("<")] for _, t in wire.HEADER_FIELDS))
@@ -91,7 +91,7 @@ def _decode_control(h: FrameHeader, payload: bytes) -> ControlMessage:
     return ControlMessage(wire.ControlCode(code), text, h.step_id, h.frame_seq)
 
 
-def _decode_tokens(h: FrameHeader, payload: bytes, vocab_size: int | None) -> StepOutput:
+def _decode_tokens(h: FrameHeader, payload: bytes, vocab_size: int | None) -> TokenFrame:
     shape = wire.Shape(h.num_reqs, h.num_tokens, h.topk, h.draft_width,
                        bool(h.flags & _LOGPROBS))
     spans, total = wire.layout(shape)
@@ -99,7 +99,7 @@ def _decode_tokens(h: FrameHeader, payload: bytes, vocab_size: int | None) -> St
     v = {s.name: np.frombuffer(payload, s.dtype, s.count, s.offset) for s in spans}
     _check_content(h, v, vocab_size)
     lp = shape.has_logprobs
-    return StepOutput(
+    return TokenFrame(
         kind=wire.Kind(h.kind), step_id=h.step_id, frame_seq=h.frame_seq,
         req_ids=v["req_ids"], seq=v["seq"], num_tokens=v["num_tokens"], finish=v["finish"],
         token_ids=v["token_ids"], logprob=v["logprob"] if lp else None,

@@ -17,5 +17,5 @@ Along a request's path:
   spec_verify.py    greedy verification and lossless rejection sampling
   spec_stats.py     acceptance counters per draft position
   synthetic_runner.py  fixed-step-time device with a set acceptance rate (scheduling benchmarks)
-  step_output.py    StepOutput: flat arrays for the output-path op
+  step_emission.py  StepEmission: flat arrays for the output-path op
 """

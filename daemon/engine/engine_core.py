@@ -19,7 +19,7 @@ from mtpserve.engine.runner import ModelRunner, StepHandle
 from mtpserve.engine.sampler import check_bounds
 from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
-from mtpserve.engine.step_output import StepOutput
+from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepPlan, StepResult
 
 
@@ -171,7 +171,7 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def step(self) -> StepOutput:
+    def step(self) -> StepEmission:
         """1. schedule the next step (upper bounds for what is still in flight) and launch it;
         2. if `overlap` steps are in flight (or nothing new could be launched), wait for the oldest;
         3. apply its results and return the emitted tokens and finishes.
@@ -185,7 +185,7 @@ class EngineCore:
             return self.collect()
         return self.take_aborted()
 
-    def take_aborted(self) -> StepOutput:
+    def take_aborted(self) -> StepEmission:
         """Finish entries (reason ABORT) of aborts not yet reported; `collect` includes them too."""
         return self._emit_aborts(Emitter()).build(-1)
 
@@ -206,7 +206,7 @@ class EngineCore:
         """The handle (a concurrent.futures.Future for both runners) of the step `collect` takes."""
         return self._inflight[0][1]
 
-    def collect(self) -> StepOutput:
+    def collect(self) -> StepEmission:
         """Take the oldest launched step's results (waiting if needed) and apply them."""
         plan, handle = self._inflight.popleft()
         begin = time.perf_counter()
@@ -214,7 +214,7 @@ class EngineCore:
         self.wait_seconds += time.perf_counter() - begin
         return self._collect(plan, result)
 
-    def _collect(self, plan: SchedulePlan, result: StepResult) -> StepOutput:
+    def _collect(self, plan: SchedulePlan, result: StepResult) -> StepEmission:
         """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
         out = self._emit_aborts(Emitter())

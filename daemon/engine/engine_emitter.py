@@ -1,11 +1,11 @@
-"""One step's per-request outputs, collected row by row and built into flat StepOutput arrays."""
+"""One step's per-request outputs, collected row by row and built into flat StepEmission arrays."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from mtpserve.engine.request import FinishReason, Request
-from mtpserve.engine.step_output import StepOutput
+from mtpserve.engine.step_emission import StepEmission
 
 
 class Emitter:
@@ -36,10 +36,10 @@ class Emitter:
         self.widths.append(width if logprobs is not None else -1)
         self.logprobs.append(logprobs)
 
-    def build(self, step_id: int) -> StepOutput:
+    def build(self, step_id: int) -> StepEmission:
         if not self.ids:
-            return StepOutput.empty(step_id)
-        base = StepOutput(step_id, tuple(self.ids),
+            return StepEmission.empty(step_id)
+        base = StepEmission(step_id, tuple(self.ids),
                           np.fromiter((t.shape[0] for t in self.tokens), np.int32, len(self.tokens)),
                           np.concatenate(self.tokens).astype(np.int64),
                           np.asarray(self.reasons, np.uint8),

@@ -24,7 +24,7 @@ from mtpserve import log
 from mtpserve.engine.engine_core import EngineCore
 from mtpserve.engine.rank_kv import KVExchange
 from mtpserve.engine.request import EngineRequest, RemoteKV, SamplingParams
-from mtpserve.engine.step_output import StepOutput
+from mtpserve.engine.step_emission import StepEmission
 from mtpserve.ipc import request_channel as rc
 from mtpserve.ops import OutputSender, SendStatus, StepLogprobs
 
@@ -113,7 +113,7 @@ class RankLoop:
         except ValueError as exc:
             self.channel.send(rc.RequestFailed(msg.request_id, str(exc)))
 
-    async def _step(self) -> StepOutput:
+    async def _step(self) -> StepEmission:
         launched = self.core.launch()
         if not self.core.must_collect(launched):
             return self.core.take_aborted()
@@ -124,7 +124,7 @@ class RankLoop:
         self.num_steps += 1
         return self.core.collect()
 
-    async def _emit(self, out: StepOutput) -> None:
+    async def _emit(self, out: StepEmission) -> None:
         if self.kv.role == "prefill":
             # NOTE: a prefill instance's requests end at their one token: FIRST_TOKEN frames carry
             # it with its drafts; finishes without a token (aborts) go in an ordinary frame.
@@ -138,7 +138,7 @@ class RankLoop:
             finish=out.finish_reasons.astype(np.int32), token_ids=out.token_ids,
             logprobs=_logprobs(out), num_topk=_topk_width(out)))
 
-    async def _send_first_tokens(self, out: StepOutput) -> None:
+    async def _send_first_tokens(self, out: StepEmission) -> None:
         if not out.request_ids:
             return
         drafts = out.drafts if out.drafts is not None else np.zeros((len(out.request_ids), 0), np.int64)
@@ -175,13 +175,13 @@ def engine_stats(core: EngineCore, step_id: int, **pd_counters) -> rc.EngineStat
         num_kv_held=len(scheduler.held), **pd_counters)
 
 
-def select(out: StepOutput, keep: np.ndarray) -> StepOutput:
+def select(out: StepEmission, keep: np.ndarray) -> StepEmission:
     """The entries of `out` where `keep` [R] is true (token and logprob columns follow)."""
     if keep.all():
         return out
     per_token = np.repeat(keep, out.num_tokens)
     pick = lambda a, mask: None if a is None else a[mask]  # noqa: E731
-    return StepOutput(
+    return StepEmission(
         out.step_id, tuple(r for r, k in zip(out.request_ids, keep) if k), out.num_tokens[keep],
         out.token_ids[per_token], out.finish_reasons[keep], pick(out.token_logprobs, per_token),
         pick(out.token_ranks, per_token), pick(out.top_ids, per_token), pick(out.top_logprobs, per_token),
@@ -189,11 +189,11 @@ def select(out: StepOutput, keep: np.ndarray) -> StepOutput:
         pick(out.num_accepted_tokens, keep), pick(out.seq, keep), pick(out.drafts, keep))
 
 
-def _logprobs(out: StepOutput) -> StepLogprobs | None:
+def _logprobs(out: StepEmission) -> StepLogprobs | None:
     if out.token_logprobs is None:
         return None
     return StepLogprobs(out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs)
 
 
-def _topk_width(out: StepOutput) -> int:
+def _topk_width(out: StepEmission) -> int:
     return 0 if out.top_ids is None else int(out.top_ids.shape[1])

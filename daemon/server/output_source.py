@@ -2,7 +2,7 @@
 
 The channel (queue + ring) is owned by the supervisor; this side attaches by instance name, which
 rank 0 reports in EngineReady.output_channel. Conversion is per frame: one `tolist()` per array and
-list slices per request (StepOutput.requests), never a loop over tokens.
+list slices per request (TokenFrame.requests), never a loop over tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.output_reader import EngineDead, OutputReader
 from mtpserve.ipc.request_channel import EngineReady
-from mtpserve.ipc.step_output import ControlMessage, RequestOutput, StepOutput
+from mtpserve.ipc.token_frame import ControlMessage, RequestOutput, TokenFrame
 from mtpserve.server.outputs import OutputClosed, TokenDelta
 
 _FINISH = {wire.Finish.RUNNING: None, wire.Finish.PREEMPTED: None, wire.Finish.STOP: "stop",
@@ -59,7 +59,7 @@ class FrameOutputSource:
         self._channel.close()
 
 
-def to_deltas(frame: StepOutput) -> list[TokenDelta]:
+def to_deltas(frame: TokenFrame) -> list[TokenDelta]:
     rows = frame.requests()
     bad = set() if frame.seq_ok is None else set(np.flatnonzero(~frame.seq_ok).tolist())
     return [_delta(row, "error" if i in bad else _FINISH.get(row.finish, "error")) for i, row in enumerate(rows)]

@@ -6,13 +6,13 @@ import numpy as np
 
 from mtpserve.ipc import wire
 from mtpserve.ipc.seq_tracker import SeqTracker
-from mtpserve.ipc.step_output import StepOutput
+from mtpserve.ipc.token_frame import TokenFrame
 
 
-def out(req_ids, seq, num_tokens, finish=None) -> StepOutput:
+def out(req_ids, seq, num_tokens, finish=None) -> TokenFrame:
     b = len(req_ids)
     n = int(np.sum(num_tokens))
-    return StepOutput(wire.Kind.TARGET, 0, 0, np.array(req_ids, np.int64), np.array(seq, np.uint32),
+    return TokenFrame(wire.Kind.TARGET, 0, 0, np.array(req_ids, np.int64), np.array(seq, np.uint32),
                       np.array(num_tokens, np.int32),
                       np.array(finish if finish is not None else [0] * b, np.int32),
                       np.zeros(n, np.int32), None, None, None, None, None)

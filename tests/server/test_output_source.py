@@ -5,15 +5,15 @@ import dataclasses
 import numpy as np
 
 from mtpserve.ipc import wire
-from mtpserve.ipc.step_output import StepOutput
+from mtpserve.ipc.token_frame import TokenFrame
 from mtpserve.server.output_source import to_deltas
 
 
-def _frame(with_lp: bool, seq_ok=None) -> StepOutput:
+def _frame(with_lp: bool, seq_ok=None) -> TokenFrame:
     n = np.array([1, 3, 2], np.int32)
     tokens = np.arange(10, 16, dtype=np.int32)
     k = 2
-    return StepOutput(
+    return TokenFrame(
         kind=wire.Kind.TARGET, step_id=7, frame_seq=0, req_ids=np.array([5, 9, 2**40], np.int64),
         seq=np.array([0, 4, 8], np.uint32), num_tokens=n,
         finish=np.array([wire.Finish.RUNNING, wire.Finish.LENGTH, wire.Finish.PREEMPTED], np.int32),

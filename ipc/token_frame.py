@@ -25,7 +25,7 @@ class RequestOutput(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
+class TokenFrame:
     """A token frame (TARGET, DRAFT or FIRST_TOKEN). Arrays are read-only views of the payload."""
 
     kind: wire.Kind
@@ -81,4 +81,4 @@ class ControlMessage:
     frame_seq: int
 
 
-Frame = StepOutput | ControlMessage
+Frame = TokenFrame | ControlMessage

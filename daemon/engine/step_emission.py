@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 
-class StepOutput(NamedTuple):
+class StepEmission(NamedTuple):
     step_id: int  # the device step whose results these are; -1 when none was collected
     request_ids: tuple[int | str, ...]  # [R] requests with new tokens or a finish
     num_tokens: np.ndarray  # [R] int32, new tokens per request (0 for e.g. an abort)
@@ -27,7 +27,7 @@ class StepOutput(NamedTuple):
     drafts: np.ndarray | None = None  # [R, k] int64, each request's next MTP drafts (a PD prefill sends them)
 
     @classmethod
-    def empty(cls, step_id: int = -1) -> StepOutput:
+    def empty(cls, step_id: int = -1) -> StepEmission:
         return cls(step_id, (), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.uint8))
 
     def tokens_of(self, index: int) -> np.ndarray:
