@@ -38,31 +38,11 @@ from typing import Union
 
 import msgspec
 
+from mtpserve.ipc.sampling_params import SamplingParams
+
 SOCKET_NAME = "request.sock"
 MAX_FRAME_BYTES = 64 << 20  # a 1M-token prompt packs to ~5 MB; anything larger is corruption
 _LEN = struct.Struct("<I")
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-request sampling, already validated by the HTTP process (n is fanned out there).
-
-    NOTE: field names and meanings are those of mtpserve.engine.request.SamplingParams, so rank 0
-    converts with `SamplingParams(**msgspec.structs.asdict(msg.sampling))`.
-    """
-
-    max_tokens: int
-    min_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    min_p: float = 0.0
-    seed: int | None = None  # in [0, 2**64)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; n: the sampled token's logprob plus the top n (<= 20)
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
@@ -108,7 +108,7 @@ def make_core(case: Case) -> EngineCore:
     runner = SyntheticRunner(SyntheticConfig(
         step_time_s=case.step_ms / 1e3, acceptance_rate=case.acceptance_rate, vocab_size=32000,
         num_speculative_tokens=case.k, max_num_seqs=case.batch, num_blocks=num_blocks, block_size=16))
-    return EngineCore(EngineConfig(sched, overlap=case.overlap), runner)
+    return EngineCore(CoreConfig(sched, overlap=case.overlap), runner)
 
 
 def measure(case: Case) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 
 from mtpserve.bench.engine_model import heldout_prompts
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
@@ -29,7 +29,7 @@ def decode_all(model, prompts: list[tuple[int, ...]], k: int, batch: int, max_to
                             num_speculative_tokens=k, num_blocks=blocks, block_size=16)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=batch, num_blocks=blocks, block_size=16,
                                                         num_speculative_tokens=k))
-    core = EngineCore(EngineConfig(sched, overlap=True), runner)
+    core = EngineCore(CoreConfig(sched, overlap=True), runner)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     pending = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
     outs: dict[int, list[int]] = {}

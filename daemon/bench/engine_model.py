@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
@@ -49,7 +49,7 @@ def measure_model(model, model_dir: Path, batch: int, k: int, prompt_len: int, m
                             max_prefill_chunk=512, num_speculative_tokens=k, num_blocks=blocks, block_size=16)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=batch, num_blocks=blocks, block_size=16,
                                                         num_speculative_tokens=k))
-    core = EngineCore(EngineConfig(sched, overlap=True), runner)
+    core = EngineCore(CoreConfig(sched, overlap=True), runner)
     prompts = heldout_prompts(model_dir, batch * rounds, prompt_len, runner.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     # NOTE: one untimed round first: a fresh runner's first steps pay for new shapes and allocations,

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtpserve.config import ParallelConfig
+from mtpserve.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from mtpserve.engine.tp_env import rank_environment
 from mtpserve.model.parallel import TensorParallel
 
@@ -90,11 +90,12 @@ def worker(spec: dict, rank: int, size: int) -> dict | None:
     return _lead(model, tp, spec)
 
 
-def _engine_parameters(spec: dict) -> dict:
-    batch, k = spec["batch"], spec["k"]
+def _engine_sections(spec: dict) -> tuple[EngineConfig, SpeculativeConfig]:
+    batch = spec["batch"]
     blocks = batch * ((spec["prompt_len"] + spec["max_tokens"]) // 16 + 4) + 16
-    return dict(num_speculative_tokens=k, max_num_seqs=batch, num_kv_blocks=blocks, block_size=16,
-                max_num_batched_tokens=max(1024, batch * spec["prompt_len"]))
+    engine = EngineConfig(max_num_seqs=batch, num_kv_blocks=blocks, block_size=16,
+                          max_num_batched_tokens=max(1024, batch * spec["prompt_len"]))
+    return engine, SpeculativeConfig(num_speculative_tokens=spec["k"])
 
 
 def _lead(model, tp, spec: dict) -> dict:
@@ -105,8 +106,8 @@ def _lead(model, tp, spec: dict) -> dict:
     from mtpserve.engine.tp_plan_channel import PlanChannel
 
     batch, channel = spec["batch"], PlanChannel(tp)
-    core = (build_model_engine(model, **_engine_parameters(spec)) if tp.size == 1
-            else build_leader_engine(model, channel, **_engine_parameters(spec)))
+    core = (build_model_engine(model, *_engine_sections(spec)) if tp.size == 1
+            else build_leader_engine(model, channel, *_engine_sections(spec)))
     prompts = heldout_prompts(Path(spec["model"]), batch * spec["rounds"], spec["prompt_len"], core.runner.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     seconds = tokens = steps = 0
@@ -144,7 +145,7 @@ def _follow(model, tp, spec: dict) -> None:
     from mtpserve.engine.tp_factory import build_follower_runner
     from mtpserve.engine.tp_plan_channel import PlanChannel
 
-    runner = build_follower_runner(model, PlanChannel(tp), **_engine_parameters(spec))
+    runner = build_follower_runner(model, PlanChannel(tp), *_engine_sections(spec))
     runner.follow().result()
     runner.close()
     _all_reduce_ms(tp, spec["batch"] * (spec["k"] + 1), model.config.hidden_size)

@@ -11,19 +11,23 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class DeviceStream:
     def __init__(self, name: str = "device") -> None:
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        # NOTE: (future, function, arguments); None stops the thread.
+        self._work: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any],
+                                            tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._busy = 0.0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._work.put((future, fn, args))
         return future
 

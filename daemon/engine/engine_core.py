@@ -1,21 +1,26 @@
-"""The engine core of rank 0: intake, schedule, launch, collect, verify/update, emit. No I/O.
+"""The engine core of rank 0: intake, schedule, launch, finish (verify/update/emit). No I/O.
 
-A process wrapper owns the event loop, the request channel and the output op; it calls `add_request`
-/ `abort_request` as messages arrive and `step()` in a loop. Tests drive the same core in-process.
+A process wrapper (rank_loop.py) owns the event loop, the request channel and the output op. It calls
+`add_request` / `abort_request` as messages arrive, then per step the same two calls tests make through
+`step()`: `launch_next()`, which returns the future of the step to finish now (or None), and
+`finish_step(result)`. PD roles plug in through the KV connector (kv_connector.py); the core has no
+role branches.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import time
 
 import numpy as np
 
-from mtpserve.engine.engine_emitter import Emitter
+from mtpserve.engine.engine_emitter import Emitter, RowLogprobs
+from mtpserve.engine.kv_connector import KVConnector, RequestId
 from mtpserve.engine.request import EngineRequest, FinishReason, Request
-from mtpserve.engine.runner import ModelRunner, StepHandle
+from mtpserve.engine.runner import ModelRunner
 from mtpserve.engine.sampler import check_bounds
 from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
@@ -24,53 +29,33 @@ from mtpserve.engine.step_plan import StepPlan, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class CoreConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
-    overlap: bool = True  # plan and launch step N+1 before collecting step N
+    overlap: bool = True  # plan and launch step N+1 before finishing step N
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # draws the seeds of requests that bring none
-    kv_lease_s: float = 30.0  # prefill role: how long held KV waits for its decode instance
-    fetch_margin_s: float = 1.0  # decode role: a source lease ending sooner than this is not read
-
-
-@dataclasses.dataclass(frozen=True)
-class KVHold:
-    """Prefill role: a finished request's KV stays in `block_ids` until released or `deadline`."""
-
-    request_id: int | str
-    block_ids: tuple[int, ...]
-    num_tokens: int  # positions with KV (the prompt)
-    deadline: float  # time.monotonic()
-
-
-@dataclasses.dataclass(frozen=True)
-class KVFetch:
-    """Decode role: read a prefilled prompt's KV from `source` into the local `block_ids`."""
-
-    request_id: int | str
-    block_ids: tuple[int, ...]
-    source: object  # RemoteKV.source
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: CoreConfig, runner: ModelRunner, connector: KVConnector | None = None) -> None:
         if runner.num_speculative_tokens != config.scheduler.num_speculative_tokens:
             raise ValueError("runner and scheduler disagree on num_speculative_tokens")
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler)
+        self.connector = connector or KVConnector()
+        self.scheduler = Scheduler(config.scheduler, on_finish=self.connector.on_finish)
+        self.connector.bind(self.scheduler)
         self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
-        self._inflight: collections.deque[tuple[SchedulePlan, StepHandle]] = collections.deque()
+        # NOTE: steps launched and not finished, oldest first; at most `_depth` (2 when overlapping).
+        self._inflight: collections.deque[tuple[SchedulePlan, concurrent.futures.Future[StepResult]]] = \
+            collections.deque()
         self._depth = 2 if config.overlap else 1
-        self._aborted: list[tuple[int | str, int]] = []  # (request id, tokens it emitted)
+        self._aborted: list[tuple[RequestId, int]] = []  # (request id, tokens it emitted)
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
-        self.wait_seconds = 0.0  # host time blocked on device results (the per-step sync)
+        self.wait_seconds = 0.0  # host time blocked on device results in `step()`
         self.num_discarded_rows = 0  # rows computed for requests already finished/aborted/preempted
-        self._holds: list[KVHold] = []  # prefill role: announced by the next `take_kv_holds`
-        self._lease_deadlines: dict[int | str, float] = {}
-        self.num_kv_fallbacks = 0  # decode role: prefilled prompts recomputed here instead
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -83,141 +68,77 @@ class EngineCore:
         seed = request.params.seed
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63))
-        self.scheduler.add(Request(request, next(self._arrivals), seed))
+        state = Request(request, next(self._arrivals), seed)
+        self.scheduler.check_fits(state)
+        if not self.connector.on_add(state):
+            self.scheduler.add(state)
 
-    def abort_request(self, request_id: int | str) -> bool:
-        """Drop a request in any phase (a held prefill KV included). Results of steps already
-        launched for it are discarded."""
-        if self.release_kv(request_id):
-            return True
-        request = self.scheduler.abort(request_id)
+    def abort_request(self, request_id: RequestId) -> bool:
+        """Drop a request in any phase. Results of steps already launched for it are discarded."""
+        request = self.connector.on_abort(request_id) or self.scheduler.abort(request_id)
         if request is None:
             return False
         self._aborted.append((request_id, len(request.output_ids)))
         return True
 
-    # ---- PD: prefill role ----------------------------------------------------------------------
-
-    def take_kv_holds(self) -> list[KVHold]:
-        """KV kept since the last call, to announce before the requests' first-token frames."""
-        holds, self._holds = self._holds, []
-        return holds
-
-    def release_kv(self, request_id: int | str) -> bool:
-        """Free a held prefill KV (the decode instance has read it, or never will)."""
-        self._lease_deadlines.pop(request_id, None)
-        return self.scheduler.release_held(request_id)
-
-    def expire_leases(self, now: float | None = None) -> list[int | str]:
-        """Release every held KV whose lease ended; returns their request ids."""
-        now = time.monotonic() if now is None else now
-        expired = [rid for rid, deadline in self._lease_deadlines.items() if deadline <= now]
-        for request_id in expired:
-            self.release_kv(request_id)
-        return expired
-
-    def _hold(self, request: Request) -> None:
-        deadline = time.monotonic() + self.config.kv_lease_s
-        self._lease_deadlines[request.request_id] = deadline
-        self._holds.append(KVHold(request.request_id, tuple(self.scheduler.held[request.request_id]),
-                                  int(request.prompt_ids.shape[0]), deadline))
-
-    # ---- PD: decode role ------------------------------------------------------------------------
-
-    def start_kv_fetches(self, now: float | None = None) -> list[KVFetch]:
-        """Reserve blocks for prefilled requests and say which KV to read into them now; requests
-        whose source lease is about to end recompute their prompt instead."""
-        now = time.time() if now is None else now
-        queued = len(self.scheduler.fetch_queue)
-        started = self.scheduler.start_fetches(now, self.config.fetch_margin_s)
-        self.num_kv_fallbacks += queued - len(started) - len(self.scheduler.fetch_queue)
-        return [KVFetch(r.request_id, tuple(r.block_ids), r.remote.source) for r in started]
-
-    def abandon_stale_fetches(self, now: float | None = None) -> list[int | str]:
-        """Give up on reads still running after their source's lease ended (the prefill stopped
-        answering): those requests recompute their prompt here instead of waiting for the read."""
-        now = time.time() if now is None else now
-        stale = [rid for rid, r in self.scheduler.fetching.items()
-                 if r.remote is not None and now > r.remote.deadline]
-        for request_id in stale:
-            if not self.scheduler.abandon_fetch(request_id).is_finished:
-                self.num_kv_fallbacks += 1
-        return stale
-
-    def kv_fetched(self, request_id: int | str, ok: bool) -> None:
-        """A read started by `start_kv_fetches` finished; on failure the prompt is recomputed."""
-        request = self.scheduler.fetch_done(request_id, ok)
-        if request is not None and not ok:
-            self.num_kv_fallbacks += 1
-
-    @property
-    def num_fetching(self) -> int:
-        """Prefilled requests waiting for blocks or for their KV to arrive."""
-        fetching = sum(not r.is_finished for r in self.scheduler.fetching.values())
-        return fetching + len(self.scheduler.fetch_queue)
+    def idle(self) -> None:
+        """While nothing can run: the KV connector still acts (leases end, reads start)."""
+        self.connector.before_step()
 
     @property
     def num_inflight_steps(self) -> int:
-        """Steps launched on the device and not collected yet (1 between calls when overlapping)."""
+        """Steps launched on the device and not finished yet (1 between calls when overlapping)."""
         return len(self._inflight)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted but not running: queued, preempted, or held by the KV connector."""
+        return len(self.scheduler.waiting) + self.connector.num_pending
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
+        return bool(self.connector.num_pending or self.has_runnable_work())
 
     def has_runnable_work(self) -> bool:
-        """Unfinished work other than prefilled requests waiting for their KV to arrive."""
-        return bool(self.scheduler.num_unfinished - self.num_fetching > 0 or self._inflight
-                    or self._aborted)
+        """Unfinished work other than requests the KV connector still holds (e.g. KV reads)."""
+        return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepEmission:
-        """1. schedule the next step (upper bounds for what is still in flight) and launch it;
-        2. if `overlap` steps are in flight (or nothing new could be launched), wait for the oldest;
-        3. apply its results and return the emitted tokens and finishes.
-
-        An asyncio wrapper runs the same parts itself so it can await the device instead of
-        blocking: `launch()`, then if `must_collect(...)`: await `oldest_step()`, then `collect()`;
-        otherwise `take_aborted()`.
-        """
-        launched = self.launch()
-        if self.must_collect(launched):
-            return self.collect()
-        return self.take_aborted()
-
-    def take_aborted(self) -> StepEmission:
-        """Finish entries (reason ABORT) of aborts not yet reported; `collect` includes them too."""
-        return self._emit_aborts(Emitter()).build(-1)
-
-    def launch(self) -> bool:
-        """Schedule and launch the next step without waiting; False if there was nothing to run."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return False
-        step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
-                                   self.config.scheduler.num_speculative_tokens)
-        self._inflight.append((plan, self.runner.launch(step_plan)))
-        return True
-
-    def must_collect(self, launched: bool) -> bool:
-        return bool(self._inflight) and (len(self._inflight) >= self._depth or not launched)
-
-    def oldest_step(self) -> StepHandle:
-        """The handle (a concurrent.futures.Future for both runners) of the step `collect` takes."""
-        return self._inflight[0][1]
-
-    def collect(self) -> StepEmission:
-        """Take the oldest launched step's results (waiting if needed) and apply them."""
-        plan, handle = self._inflight.popleft()
+        """One step, synchronously (tests, benchmarks): the rank loop makes the same two calls."""
+        future = self.launch_next()
         begin = time.perf_counter()
-        result = handle.result()
+        result = None if future is None else future.result()
         self.wait_seconds += time.perf_counter() - begin
-        return self._collect(plan, result)
+        return self.finish_step(result)
 
-    def _collect(self, plan: SchedulePlan, result: StepResult) -> StepEmission:
+    def launch_next(self) -> concurrent.futures.Future[StepResult] | None:
+        """1. let the connector act (leases, KV reads); 2. schedule the next step (upper bounds for
+        what is still in flight) and launch it without waiting; 3. return the future of the oldest
+        step when it must be finished now: `overlap` steps are in flight, or nothing new launched.
+        None: nothing to finish yet (call `finish_step(None)` for the aborts)."""
+        self.connector.before_step()
+        plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
+                                       self.config.scheduler.num_speculative_tokens)
+            self._inflight.append((plan, self.runner.launch(step_plan)))
+        if self._inflight and (len(self._inflight) >= self._depth or plan.is_empty):
+            return self._inflight[0][1]
+        return None
+
+    def finish_step(self, result: StepResult | None) -> StepEmission:
+        """Apply the oldest launched step's `result` (the future's value; None when `launch_next`
+        returned None): verify/update/emit, plus a finish entry for every abort not reported yet."""
+        out = self._emit_aborts(Emitter())
+        if result is None:
+            return self.connector.after_step(out.build(-1))
+        plan, _ = self._inflight.popleft()
+        return self.connector.after_step(self._collect(plan, result, out))
+
+    def _collect(self, plan: SchedulePlan, result: StepResult, out: Emitter) -> StepEmission:
         """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
-        out = self._emit_aborts(Emitter())
         verified = [i for i, row in enumerate(plan.rows) if self._apply_row(row, result, i, out)]
         self.acceptance.observe(result.num_accepted[verified])
         return out.build(result.step_id)
@@ -234,8 +155,6 @@ class EngineCore:
         if is_verified:
             self._count_acceptance(request, int(result.num_accepted[i]))
         self.scheduler.commit(row, tokens.tolist(), reason)
-        if request.request_id in self.scheduler.held:
-            self._hold(request)
         if tokens.shape[0] or reason is not FinishReason.NONE:
             width = request.params.logprobs
             drafts = None if result.drafts is None else result.drafts[i]
@@ -254,16 +173,17 @@ class EngineCore:
         return out
 
     def close(self) -> None:
-        for _, handle in self._inflight:
-            handle.result()
+        for _, future in self._inflight:
+            future.result()
         self._inflight.clear()
         self.runner.close()
+        self.connector.close()
 
 
-def _row_logprobs(result: StepResult, row: int, n: int, width: int | None) -> tuple | None:
+def _row_logprobs(result: StepResult, row: int, n: int, width: int | None) -> RowLogprobs | None:
     """The request's logprob columns for its n emitted tokens, cut to its own top-k width."""
     if width is None or result.logprobs is None:
         return None
     lp = result.logprobs
-    return (lp.token_logprobs[row, :n], lp.ranks[row, :n], lp.top_ids[row, :n, :width],
-            lp.top_logprobs[row, :n, :width])
+    return RowLogprobs(lp.token_logprobs[row, :n], lp.ranks[row, :n], lp.top_ids[row, :n, :width],
+                       lp.top_logprobs[row, :n, :width])

@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from mtpserve.engine.request import FinishReason, Request
 from mtpserve.engine.step_emission import StepEmission
 
 
+class RowLogprobs(NamedTuple):
+    """One request's logprob columns for its n emitted tokens, cut to its own top-k width K."""
+
+    token_logprobs: np.ndarray  # [n] float32
+    ranks: np.ndarray  # [n] int64
+    top_ids: np.ndarray  # [n, K] int64
+    top_logprobs: np.ndarray  # [n, K] float32
+
+
 class Emitter:
     """Collects one step's per-request outputs into flat arrays."""
 
     def __init__(self) -> None:
-        self.ids: list = []
+        self.ids: list[int | str] = []
         self.tokens: list[np.ndarray] = []
         self.reasons: list[int] = []
-        self.logprobs: list[tuple | None] = []  # per request: (logprob, rank, top ids, top logprobs)
+        self.logprobs: list[RowLogprobs | None] = []
         self.widths: list[int] = []
         self.drafted: list[int] = []
         self.accepted: list[int] = []
         self.seq: list[int] = []  # tokens the request emitted before this output
         self.drafts: list[np.ndarray | None] = []  # per request: its next k drafts, when known
 
-    def add(self, request_id, tokens: np.ndarray, reason: FinishReason, width: int = -1,
-            logprobs: tuple | None = None, request: Request | None = None, seq: int = 0,
+    def add(self, request_id: int | str, tokens: np.ndarray, reason: FinishReason, width: int = -1,
+            logprobs: RowLogprobs | None = None, request: Request | None = None, seq: int = 0,
             drafts: np.ndarray | None = None) -> None:
         """`request` (when given) has already committed `tokens`, so its earlier count is derived."""
         self.drafts.append(drafts)
@@ -56,18 +67,21 @@ class Emitter:
         k = max(d.shape[0] for d in self.drafts if d is not None)
         return np.stack([np.zeros(k, np.int64) if d is None else d for d in self.drafts])
 
-    def _logprob_columns(self) -> dict:
+    def _logprob_columns(self) -> dict[str, Any]:
         width = max(max(self.widths), 0)
         parts = [lp if lp is not None else _no_logprobs(t.shape[0])
                  for lp, t in zip(self.logprobs, self.tokens)]
-        pad = lambda a, fill: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)  # noqa: E731
-        return dict(token_logprobs=np.concatenate([p[0] for p in parts]).astype(np.float32),
-                    token_ranks=np.concatenate([p[1] for p in parts]).astype(np.int64),
-                    top_ids=np.concatenate([pad(p[2], -1) for p in parts]).astype(np.int64),
-                    top_logprobs=np.concatenate([pad(p[3], -np.inf) for p in parts]).astype(np.float32),
+
+        def pad(a: np.ndarray, fill: float) -> np.ndarray:
+            return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+
+        return dict(token_logprobs=np.concatenate([p.token_logprobs for p in parts]).astype(np.float32),
+                    token_ranks=np.concatenate([p.ranks for p in parts]).astype(np.int64),
+                    top_ids=np.concatenate([pad(p.top_ids, -1) for p in parts]).astype(np.int64),
+                    top_logprobs=np.concatenate([pad(p.top_logprobs, -np.inf) for p in parts]).astype(np.float32),
                     num_top_logprobs=np.asarray(self.widths, np.int32))
 
 
-def _no_logprobs(n: int) -> tuple:
-    return (np.full(n, np.nan, np.float32), np.zeros(n, np.int64), np.zeros((n, 0), np.int64),
-            np.zeros((n, 0), np.float32))
+def _no_logprobs(n: int) -> RowLogprobs:
+    return RowLogprobs(np.full(n, np.nan, np.float32), np.zeros(n, np.int64), np.zeros((n, 0), np.int64),
+                       np.zeros((n, 0), np.float32))

@@ -61,7 +61,7 @@ class PaddleModelRunner:
         self.proposer = MTPProposer(model, depth_caches) if k else None
         self._stream = DeviceStream("model-device")
 
-    def launch(self, plan: StepPlan) -> concurrent.futures.Future:
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._stream.submit(self._execute, plan)
 
     def busy_seconds(self) -> float:

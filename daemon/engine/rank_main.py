@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from pathlib import Path
@@ -26,8 +25,8 @@ import uvloop
 
 from mtpserve import log
 from mtpserve.config import Config
-from mtpserve.launcher import instance_name, model_dir, read_config
-from mtpserve.lifecycle import die_with_parent, watch_parent
+from mtpserve.instance import instance_name, model_dir, read_config
+from mtpserve.lifecycle import die_with_parent, exit_now, watch_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,13 +67,6 @@ async def serve_rank(config: Config, runtime_dir: Path, rank: int, parent: int) 
         await setup.close(device_stuck=stuck)
         if stuck:
             exit_now(1)  # NOTE: the device thread is blocked (e.g. in a collective with a hung peer)
-
-
-def exit_now(status: int) -> None:
-    """Exit without joining threads or running Paddle's teardown (either may wait on a stuck peer)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _stop_event(parent: int) -> asyncio.Event:

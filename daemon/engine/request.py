@@ -7,62 +7,7 @@ import enum
 
 import numpy as np
 
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request turns logits into tokens. Immutable once the request is admitted.
-
-    NOTE: `temperature == 0` means greedy; `top_k <= 0` and `top_p == 1` turn those filters off;
-    `seed is None` means the engine draws one at admission, so every row samples through the same
-    seeded path and a request's randomness never depends on its batch neighbours.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n
-
-    def __post_init__(self) -> None:
-        for problem in _sampling_problems(self):
-            raise ValueError(problem)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-
-def _sampling_problems(p: SamplingParams) -> list[str]:
-    checks = [
-        (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
-        (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
-        (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
-        (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
-        (-2.0 <= p.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-        (-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-        (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
-        (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be in [0, max_tokens]"),
-        (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS,
-         f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
-        (p.seed is None or 0 <= p.seed < 2**64, "seed must be in [0, 2**64)"),
-        (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids must be >= 0"),
-    ]
-    return [message for ok, message in checks if not ok]
+from mtpserve.ipc.sampling_params import SamplingParams, sampling_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +32,8 @@ class EngineRequest:
     remote: RemoteKV | None = None  # decode role
 
     def __post_init__(self) -> None:
+        for problem in sampling_problems(self.params):
+            raise ValueError(f"request {self.request_id}: {problem}")
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
         if self.remote is not None and self.params.max_tokens < 2:

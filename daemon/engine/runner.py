@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Protocol
 
 from mtpserve.engine.step_plan import StepPlan, StepResult
-
-
-class StepHandle(Protocol):
-    def result(self) -> StepResult:
-        """Block until the device finished the step; the one host synchronisation per step."""
-        ...
 
 
 class ModelRunner(Protocol):
@@ -21,13 +16,14 @@ class ModelRunner(Protocol):
        the rows: decode windows read their last token and drafts from device state, rows of slots
        that already stopped are marked invalid and write no KV, verification and stop checks run
        on the device, and the next drafts are proposed into device state.
-    3. The handle's `result()` returns the step's emitted tokens as host arrays.
+    3. The returned future completes with the step's emitted tokens as host arrays; waiting on it
+       is the one host synchronisation per step (the rank loop awaits it, `EngineCore.step` blocks).
     """
 
     vocab_size: int
     num_speculative_tokens: int
 
-    def launch(self, plan: StepPlan) -> StepHandle: ...
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]: ...
 
     def busy_seconds(self) -> float:
         """Device time spent executing steps since start."""

@@ -15,10 +15,18 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from mtpserve.engine.block_manager import BlockManager, blocks_for
 from mtpserve.engine.request import FinishReason, Request, RequestStatus
-from mtpserve.engine.scheduler_handoff import KVHandoff
+
+RequestId = int | str
+# NOTE: the KV connector's on_finish hook (kv_connector.py): True when it takes the blocks.
+FinishHook = Callable[[Request, FinishReason], bool]
+
+
+def _keep_nothing(request: Request, reason: FinishReason) -> bool:
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,45 +106,38 @@ class _PlanBuilder:
                             tuple(self.preempted))
 
 
-class Scheduler(KVHandoff):
-    def __init__(self, config: SchedulerConfig) -> None:
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, on_finish: FinishHook = _keep_nothing) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        self._by_id: dict[str, Request] = {}
+        self._by_id: dict[RequestId, Request] = {}
+        self._on_finish = on_finish
         self.num_preemptions = 0
-        # NOTE: PD. Decode role: prefilled requests wait in `fetch_queue` for blocks, then their KV is
-        # read into them while they sit in `fetching`. Prefill role: `held` keeps the blocks of
-        # finished requests until the decode instance has read them.
-        self.fetch_queue: collections.deque[Request] = collections.deque()
-        self.fetching: dict[int | str, Request] = {}
-        self.abandoned: dict[int | str, list[int]] = {}
-        self.held: dict[int | str, list[int]] = {}
 
     # ---- intake ---------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        """Queue a request by arrival (one a KV connector held back may arrive late)."""
         if request.request_id in self._by_id:
             raise ValueError(f"duplicate request id {request.request_id}")
-        self._check_fits(request)
+        self.check_fits(request)
         self._by_id[request.request_id] = request
-        (self.fetch_queue if request.remote is not None else self.waiting).append(request)
+        self._enqueue(request)
 
-    def abort(self, request_id: int | str) -> Request | None:
+    def abort(self, request_id: RequestId) -> Request | None:
         """Drop a request in any phase; returns it (finished, reason ABORT) or None if unknown."""
         request = self._by_id.get(request_id)
         if request is None:
             return None
-        if request in self.fetch_queue:
-            self.fetch_queue.remove(request)
-        elif request.status is RequestStatus.WAITING and request.request_id not in self.fetching:
+        if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
 
-    def get(self, request_id: int | str) -> Request | None:
+    def get(self, request_id: RequestId) -> Request | None:
         return self._by_id.get(request_id)
 
     @property
@@ -197,7 +198,7 @@ class Scheduler(KVHandoff):
         itself had to be preempted."""
         needed = request.num_kv_tokens + request.num_inflight_tokens + num_tokens
         while not self.blocks.can_grow(request.block_ids, needed):
-            if self._reclaim_waiting_kv():
+            if self._reclaim_waiting_blocks():
                 continue
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -233,28 +234,41 @@ class Scheduler(KVHandoff):
         self.running.insert(bisect.bisect(keys, request.arrival), request)
 
     def _preempt(self, request: Request, plan: _PlanBuilder) -> None:
-        self._release(request)
+        self._release(request, keep_blocks=False)
         request.preempt()
         self.num_preemptions += 1
         plan.preempted.append(request)
-        keys = [r.arrival for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, request.arrival), request)
+        self._enqueue(request)
 
-    def _release(self, request: Request, hold: bool = False) -> None:
+    def _enqueue(self, request: Request) -> None:
+        if self.waiting and self.waiting[-1].arrival > request.arrival:
+            keys = [r.arrival for r in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, request.arrival), request)
+        else:
+            self.waiting.append(request)
+
+    def _reclaim_waiting_blocks(self) -> bool:
+        """Free the blocks of the latest waiting request that holds KV it did not compute in a
+        step (read from a prefill instance); it recomputes instead. False if none does."""
+        for request in reversed(self.waiting):
+            if request.block_ids:
+                self.blocks.free(request.block_ids)
+                request.preempt()
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def _release(self, request: Request, keep_blocks: bool) -> None:
+        """Give back the slot, and the blocks unless their new owner (the KV connector) keeps them."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._free_slots.append(request.slot)
-        if request.request_id in self.fetching:
-            return  # NOTE: a read may still be writing into them: `fetch_done` frees them
-        if hold:
-            self.held[request.request_id] = request.block_ids
-            request.block_ids = []
-            return
-        self.blocks.free(request.block_ids)
+        if not keep_blocks:
+            self.blocks.free(request.block_ids)
+        request.block_ids = []
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        # NOTE: a prefill-role request that reached its length keeps its KV for the decode instance.
-        self._release(request, hold=request.hold_kv and reason is FinishReason.LENGTH)
+        self._release(request, keep_blocks=self._on_finish(request, reason))
         request.finish(reason)
         del self._by_id[request.request_id]
 
@@ -276,7 +290,8 @@ class Scheduler(KVHandoff):
         if reason is not FinishReason.NONE:
             self._finish(request, reason)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """ValueError when the request could never run: too long for the model or the cache."""
         total = request.num_prefill_tokens + request.params.max_tokens
         if self.config.max_model_len and total > self.config.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt + max_tokens = {total} exceeds "

@@ -1,4 +1,4 @@
-"""What one engine step hands to the output path: flat arrays, ready to be packed by an op."""
+"""What one engine step emits, for the output path: flat arrays, ready to be packed by an op."""
 
 from __future__ import annotations
 
@@ -25,10 +25,36 @@ class StepEmission(NamedTuple):
     num_accepted_tokens: np.ndarray | None = None  # [R] int64
     seq: np.ndarray | None = None  # [R] int64, tokens each request emitted before this output (wire seq)
     drafts: np.ndarray | None = None  # [R, k] int64, each request's next MTP drafts (a PD prefill sends them)
+    # NOTE: set by a KV connector (kv_prefill.py): entries that end a PD prefill go out as FIRST_TOKEN
+    # frames, with their drafts, instead of ordinary token frames.
+    handoff: np.ndarray | None = None  # [R] bool
 
     @classmethod
     def empty(cls, step_id: int = -1) -> StepEmission:
         return cls(step_id, (), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.uint8))
+
+    def split_handoff(self) -> tuple[StepEmission, StepEmission]:
+        """(entries for token frames, entries for FIRST_TOKEN frames)."""
+        if self.handoff is None:
+            return self, StepEmission.empty(self.step_id)
+        return self.select(~self.handoff), self.select(self.handoff)
+
+    def select(self, keep: np.ndarray) -> StepEmission:
+        """The entries where `keep` [R] is true (token and logprob columns follow)."""
+        if keep.all():
+            return self._replace(handoff=None)
+        per_token = np.repeat(keep, self.num_tokens)
+
+        def pick(a: np.ndarray | None, mask: np.ndarray) -> np.ndarray | None:
+            return None if a is None else a[mask]
+
+        return StepEmission(
+            self.step_id, tuple(r for r, k in zip(self.request_ids, keep) if k), self.num_tokens[keep],
+            self.token_ids[per_token], self.finish_reasons[keep], pick(self.token_logprobs, per_token),
+            pick(self.token_ranks, per_token), pick(self.top_ids, per_token),
+            pick(self.top_logprobs, per_token), pick(self.num_top_logprobs, keep),
+            pick(self.num_draft_tokens, keep), pick(self.num_accepted_tokens, keep), pick(self.seq, keep),
+            pick(self.drafts, keep))
 
     def tokens_of(self, index: int) -> np.ndarray:
         start = int(self.num_tokens[:index].sum())

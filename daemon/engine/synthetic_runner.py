@@ -67,7 +67,7 @@ class SyntheticRunner:
         self._steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 16)
         self._stream = DeviceStream("synthetic-device")
 
-    def launch(self, plan: StepPlan) -> concurrent.futures.Future:
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._stream.submit(self._execute, plan, time.perf_counter())
 
     def busy_seconds(self) -> float:

@@ -27,7 +27,7 @@ class LeaderRunner(PaddleModelRunner):
         self.channel = channel
         self.on_result = on_result  # called on the device thread with each StepResult (tests)
 
-    def launch(self, plan: StepPlan) -> concurrent.futures.Future:
+    def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._stream.submit(self._lead, plan)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ import uvloop
 from aiohttp import web
 
 from mtpserve.config import Config
-from mtpserve.launcher import model_dir
+from mtpserve.instance import model_dir
 from mtpserve.server.app import OpenOutput, make_app
 from mtpserve.server.context import CONTEXT, HttpSettings
 from mtpserve.server.errors import ApiError

@@ -4,7 +4,7 @@ greedy output, preemption recomputes to the same tokens, aborts in every phase l
 import numpy as np
 import pytest
 
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.request import EngineRequest, FinishReason, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
@@ -18,7 +18,7 @@ def make_core(k=0, overlap=True, num_blocks=512, max_num_seqs=16, chunk=16, rate
     runner = SyntheticRunner(SyntheticConfig(step_time_s=0.0, acceptance_rate=rate, vocab_size=VOCAB,
                                              num_speculative_tokens=k, max_num_seqs=max_num_seqs,
                                              num_blocks=num_blocks, block_size=4))
-    return EngineCore(EngineConfig(sched, overlap=overlap, eos_token_ids=(EOS,)), runner)
+    return EngineCore(CoreConfig(sched, overlap=overlap, eos_token_ids=(EOS,)), runner)
 
 
 def prompts(n, seed=0):
@@ -189,7 +189,7 @@ def test_overlap_keeps_a_step_on_the_device_between_calls():
         sched = SchedulerConfig(max_num_seqs=4, num_blocks=64, block_size=4)
         runner = SyntheticRunner(SyntheticConfig(step_time_s=0.02, vocab_size=VOCAB, max_num_seqs=4,
                                                  num_blocks=64, block_size=4))
-        core = EngineCore(EngineConfig(sched, overlap=overlap), runner)
+        core = EngineCore(CoreConfig(sched, overlap=overlap), runner)
         core.add_request(EngineRequest("a", (1, 2, 3), greedy(max_tokens=10, ignore_eos=True)))
         in_flight = []
         while core.has_unfinished_requests():
@@ -210,7 +210,8 @@ def test_one_step_lag_rows_are_discarded_and_change_nothing():
 
 
 async def test_an_asyncio_loop_can_await_the_device_instead_of_blocking(reference):
-    """The wrapper's pattern: launch, await the oldest step's future, collect; intake meanwhile."""
+    """The rank loop's pattern: launch_next, await the future it returns, finish_step; intake
+    meanwhile."""
     import asyncio
 
     texts, ref = reference
@@ -220,10 +221,9 @@ async def test_an_asyncio_loop_can_await_the_device_instead_of_blocking(referenc
     while pending or core.has_unfinished_requests():
         if pending:
             core.add_request(pending.pop(0))  # intake while a step is on the device
-        launched = core.launch()
-        if core.must_collect(launched):
-            await asyncio.wrap_future(core.oldest_step())
-            col.take(core.collect())
+        future = core.launch_next()
+        result = None if future is None else await asyncio.wrap_future(future)
+        col.take(core.finish_step(result))
     core.close()
     assert col.tokens == {rid: ref.tokens[rid] for rid in col.tokens} and len(col.tokens) == 10
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.request import EngineRequest, FinishReason, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
@@ -21,7 +21,7 @@ def make_core(k, overlap, num_blocks, max_num_seqs, chunk):
     runner = SyntheticRunner(SyntheticConfig(step_time_s=0.0, acceptance_rate=0.6, vocab_size=VOCAB,
                                              num_speculative_tokens=k, max_num_seqs=max_num_seqs,
                                              num_blocks=num_blocks, block_size=4))
-    return EngineCore(EngineConfig(sched, overlap=overlap, eos_token_ids=(EOS,)), runner)
+    return EngineCore(CoreConfig(sched, overlap=overlap, eos_token_ids=(EOS,)), runner)
 
 
 def request(i, max_tokens):

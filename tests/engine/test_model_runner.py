@@ -5,7 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
-from mtpserve.engine.engine_core import EngineConfig, EngineCore
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
@@ -74,12 +74,12 @@ def drafty():
     return _MODELS["drafty"]
 
 
-def make_core(model, k=0, overlap=True, num_blocks=256, max_num_seqs=16):
+def make_core(model, k=0, overlap=True, num_blocks=256, max_num_seqs=16, connector=None):
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_prefill_chunk=16,
                             num_speculative_tokens=k, num_blocks=num_blocks, block_size=8)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                                                         block_size=8, num_speculative_tokens=k))
-    return EngineCore(EngineConfig(sched, overlap=overlap), runner)
+    return EngineCore(CoreConfig(sched, overlap=overlap), runner, connector)
 
 
 def prompts(n, seed=0):
@@ -280,14 +280,15 @@ def test_kv_budget_counts_main_layers_and_mtp_depths():
     assert kv_blocks_for_budget(model, 16, 2, 1) == 1024 // 8 - 1  # two MTP depth caches
 
 
-def test_factory_builds_a_working_engine_from_plain_parameters():
+def test_factory_builds_a_working_engine_from_config_sections():
+    from mtpserve.config import EngineConfig, SpeculativeConfig
     from mtpserve.engine.engine_factory import build_model_engine
 
     model = drafty_model()
-    core = build_model_engine(model, num_speculative_tokens=2, max_num_seqs=4, kv_cache_mb=1)
+    core = build_model_engine(model, EngineConfig(max_num_seqs=4, kv_cache_mb=1), SpeculativeConfig(2))
     assert core.scheduler.config.num_blocks == 1024 // 8 - 1  # 2 KiB per layer and block, 2 + 2 layers
     out = run(core, greedy_requests(prompts(3), 8), batch=4)
     assert all(len(tokens) == 8 for tokens in out.values())
-    plain = build_model_engine(tiny_model(mtp_layers=0), num_speculative_tokens=2, kv_cache_mb=1)
+    plain = build_model_engine(tiny_model(mtp_layers=0), EngineConfig(kv_cache_mb=1), SpeculativeConfig(2))
     assert plain.scheduler.config.num_speculative_tokens == 0
     plain.close()

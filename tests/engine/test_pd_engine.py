@@ -1,6 +1,7 @@
-"""PD in the engine core, two real engines in one process: a prefill core holds the prompt's KV, its
-blocks are copied into a decode core (here by numpy; across processes Mooncake reads them), and the
-decode core continues. Greedy output and first-token logprobs must equal one mixed engine's."""
+"""PD through the KV connectors, two real engines in one process: a prefill core's connector holds the
+prompt's KV, its blocks are copied into a decode core (here by numpy; across processes Mooncake reads
+them), and the decode core continues. Greedy output and first-token logprobs must equal one mixed
+engine's. The connectors' reads and announcements are recorded instead of sent."""
 
 import time
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 
 from mtpserve.engine.engine_core import EngineCore
+from mtpserve.engine.kv_decode import DecodeConnector, KVFetch
+from mtpserve.engine.kv_prefill import KVHold, PrefillConnector
 from mtpserve.engine.request import EngineRequest, FinishReason, RemoteKV, SamplingParams
 from test_model_runner import drafty_model, make_core, prompts
 
@@ -49,18 +52,31 @@ def drain(core: EngineCore, outs: dict, extra: dict | None = None) -> None:
                 entry["logprobs"] += out.token_logprobs[start:start + int(out.num_tokens[i])].tolist()
             if out.drafts is not None:
                 entry["drafts"] = out.drafts[i].tolist()
+            if out.handoff is not None:
+                entry["handoff"] = bool(out.handoff[i])  # goes out as a FIRST_TOKEN frame
 
 
 def params(max_tokens=MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
 
 
-def prefill(core, texts):
+def prefill_core(model, lease_s=30.0) -> tuple[EngineCore, list[KVHold]]:
+    announced: list[KVHold] = []
+    return make_core(model, K, connector=PrefillConnector(lease_s, announced.append)), announced
+
+
+def decode_core(model) -> tuple[EngineCore, DecodeConnector, list[KVFetch]]:
+    reads: list[KVFetch] = []
+    connector = DecodeConnector(reads.append)
+    return make_core(model, K, connector=connector), connector, reads
+
+
+def prefill(core, texts, announced):
     for i, p in enumerate(texts):
         core.add_request(EngineRequest(f"r{i}", p, params(1), hold_kv=True))
     outs = {}
     drain(core, outs)
-    return outs, {h.request_id: h for h in core.take_kv_holds()}
+    return outs, {h.request_id: h for h in announced}
 
 
 def decode_requests(texts, first, deadline_s=30.0):
@@ -77,25 +93,25 @@ def test_prefill_then_decode_equals_mixed(model):
         mixed.add_request(EngineRequest(f"r{i}", p, params()))
     want = {}
     drain(mixed, want)
-    p_core, d_core = make_core(model, K), make_core(model, K)
-    first, holds = prefill(p_core, texts)
-    assert set(holds) == set(first)
+    (p_core, announced), (d_core, conn, fetches) = prefill_core(model), decode_core(model)
+    first, holds = prefill(p_core, texts, announced)
+    assert set(holds) == set(first) and all(entry["handoff"] for entry in first.values())
     for request in decode_requests(texts, first):
         d_core.add_request(request)
-    fetches = d_core.start_kv_fetches()
+    assert d_core.has_unfinished_requests() and not d_core.has_runnable_work()
+    d_core.idle()
     assert [f.request_id for f in fetches] == [f"r{i}" for i in range(len(texts))]
     for fetch in fetches:
         copy_blocks(p_core, holds[fetch.source].block_ids, d_core, fetch.block_ids)
-        d_core.kv_fetched(fetch.request_id, ok=True)
+        conn.fetched(fetch.request_id, ok=True)
     got = {}
     drain(d_core, got)
     for rid, entry in want.items():
         assert first[rid]["tokens"] + got[rid]["tokens"] == entry["tokens"], rid
         assert first[rid]["logprobs"][0] == pytest.approx(entry["logprobs"][0], abs=1e-4)
         assert got[rid]["reason"] == FinishReason.LENGTH
-    assert d_core.num_kv_fallbacks == 0
-    for rid in holds:
-        assert p_core.release_kv(rid)
+    assert conn.num_fallbacks == 0
+    p_core.connector.release(list(holds))
     for core in (p_core, d_core):
         assert core.scheduler.blocks.num_used_blocks == 0
         core.close()
@@ -104,21 +120,21 @@ def test_prefill_then_decode_equals_mixed(model):
 
 def test_failed_or_late_read_recomputes_with_the_same_output(model):
     texts = prompts(3, seed=5)
-    p_core, d_core = make_core(model, K), make_core(model, K)
-    first, holds = prefill(p_core, texts)
+    (p_core, announced), (d_core, conn, fetches) = prefill_core(model), decode_core(model)
+    first, holds = prefill(p_core, texts, announced)
     requests = decode_requests(texts, first)
     requests[2] = EngineRequest("r2", texts[2], params(), remote=RemoteKV(
         "r2", first["r2"]["tokens"][0], (), deadline=time.time() - 1))  # lease already over
     for request in requests:
         d_core.add_request(request)
-    fetches = d_core.start_kv_fetches()
+    d_core.idle()
     assert [f.request_id for f in fetches] == ["r0", "r1"]
     copy_blocks(p_core, holds["r0"].block_ids, d_core, fetches[0].block_ids)
-    d_core.kv_fetched("r0", ok=True)
-    d_core.kv_fetched("r1", ok=False)
+    conn.fetched("r0", ok=True)
+    conn.fetched("r1", ok=False)
     got = {}
     drain(d_core, got)
-    assert d_core.num_kv_fallbacks == 2
+    assert conn.num_fallbacks == 2
     mixed = make_core(model, K)
     for i, p in enumerate(texts):
         mixed.add_request(EngineRequest(f"r{i}", p, params()))
@@ -133,19 +149,19 @@ def test_failed_or_late_read_recomputes_with_the_same_output(model):
 
 def test_abort_during_read_frees_blocks_when_the_read_returns(model):
     texts = prompts(2, seed=7)
-    p_core, d_core = make_core(model, K), make_core(model, K)
-    first, _ = prefill(p_core, texts)
+    (p_core, announced), (d_core, conn, fetches) = prefill_core(model), decode_core(model)
+    first, _ = prefill(p_core, texts, announced)
     for request in decode_requests(texts, first):
         d_core.add_request(request)
-    fetches = d_core.start_kv_fetches()
+    d_core.idle()
     used = d_core.scheduler.blocks.num_used_blocks
     assert used > 0
     assert d_core.abort_request("r0") and d_core.abort_request("r1")
-    out = d_core.take_aborted()
+    out = d_core.finish_step(None)
     assert sorted(out.request_ids) == ["r0", "r1"]
     assert d_core.scheduler.blocks.num_used_blocks == used  # the read may still write into them
     for fetch in fetches:
-        d_core.kv_fetched(fetch.request_id, ok=True)
+        conn.fetched(fetch.request_id, ok=True)
     assert d_core.scheduler.blocks.num_used_blocks == 0
     assert not d_core.has_unfinished_requests()
     for core in (p_core, d_core):
@@ -153,23 +169,28 @@ def test_abort_during_read_frees_blocks_when_the_read_returns(model):
 
 
 def test_held_kv_is_freed_by_release_abort_or_lease(model):
-    core = make_core(model, K)
+    core, announced = prefill_core(model)
+    conn = core.connector
+    assert isinstance(conn, PrefillConnector)
     texts = prompts(3, seed=9)
-    _, holds = prefill(core, texts)
+    _, holds = prefill(core, texts, announced)
     assert len(holds) == 3 and core.scheduler.blocks.num_used_blocks > 0
-    assert core.release_kv("r0") and not core.release_kv("r0")
-    assert core.abort_request("r1")  # a client that left before the decode instance took it
-    assert core.expire_leases(now=time.monotonic()) == []
-    assert core.expire_leases(now=holds["r2"].deadline + 0.001) == ["r2"]
-    assert core.scheduler.blocks.num_used_blocks == 0
+    one = len(holds["r0"].block_ids)
+    conn.release(["r0", "r0"])  # the second is a no-op: never freed twice
+    assert core.scheduler.blocks.num_used_blocks == sum(len(h.block_ids) for h in holds.values()) - one
+    core.abort_request("r1")  # a client that left before the decode instance took it
+    assert set(conn.holds) == {"r2"}
+    assert conn.expire(now=time.monotonic()) == []
+    assert conn.expire(now=holds["r2"].deadline + 0.001) == ["r2"]
+    assert core.scheduler.blocks.num_used_blocks == 0 and conn.stats()["num_kv_leases_expired"] == 1
     core.close()
 
 
 def test_a_first_token_that_stops_holds_nothing(model):
-    core = make_core(model, K)
+    core, announced = prefill_core(model)
     text = prompts(1, seed=11)[0]
-    probe = make_core(model, K)
-    first, _ = prefill(probe, [text])
+    probe, probe_holds = prefill_core(model)
+    first, _ = prefill(probe, [text], probe_holds)
     probe.close()
     stop = first["r0"]["tokens"][0]
     core.add_request(EngineRequest("r0", text, SamplingParams(temperature=0.0, max_tokens=1,
@@ -177,26 +198,28 @@ def test_a_first_token_that_stops_holds_nothing(model):
     outs = {}
     drain(core, outs)
     assert outs["r0"]["reason"] == FinishReason.STOP
-    assert core.take_kv_holds() == [] and core.scheduler.blocks.num_used_blocks == 0
+    assert announced == [] and core.scheduler.blocks.num_used_blocks == 0
     core.close()
 
 
 def test_a_read_that_outlives_the_lease_is_abandoned_and_recomputed(model):
     texts = prompts(2, seed=13)
-    p_core, d_core, mixed = make_core(model, K), make_core(model, K), make_core(model, K)
-    first, _ = prefill(p_core, texts)
+    (p_core, announced), (d_core, conn, fetches) = prefill_core(model), decode_core(model)
+    mixed = make_core(model, K)
+    first, _ = prefill(p_core, texts, announced)
     for request in decode_requests(texts, first, deadline_s=5.0):
         d_core.add_request(request)
-    fetches = d_core.start_kv_fetches()
+    d_core.idle()
     reserved = d_core.scheduler.blocks.num_used_blocks
-    assert d_core.abandon_stale_fetches(now=time.time()) == []
-    assert sorted(d_core.abandon_stale_fetches(now=time.time() + 6.0)) == ["r0", "r1"]
+    assert len(fetches) == 2
+    assert conn.abandon_stale(now=time.time()) == []
+    assert sorted(conn.abandon_stale(now=time.time() + 6.0)) == ["r0", "r1"]
     got = {}
     drain(d_core, got)  # NOTE: the reads have not returned: the recompute runs in other blocks
-    assert d_core.num_kv_fallbacks == 2
+    assert conn.num_fallbacks == 2
     assert d_core.scheduler.blocks.num_used_blocks == reserved
     for fetch in fetches:
-        d_core.kv_fetched(fetch.request_id, ok=True)  # the stuck reads come back late
+        conn.fetched(fetch.request_id, ok=True)  # the stuck reads come back late
     assert d_core.scheduler.blocks.num_used_blocks == 0
     for i, p in enumerate(texts):
         mixed.add_request(EngineRequest(f"r{i}", p, params()))

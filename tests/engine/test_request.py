@@ -1,6 +1,7 @@
 import pytest
 
-from mtpserve.engine.request import EngineRequest, Request, SamplingParams
+from mtpserve.engine.request import EngineRequest, Request
+from mtpserve.ipc.sampling_params import SamplingParams, sampling_problems
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -9,8 +10,14 @@ from mtpserve.engine.request import EngineRequest, Request, SamplingParams
     {"presence_penalty": 3.0}, {"stop_token_ids": (-1,)}, {"seed": -1},
 ])
 def test_invalid_sampling_params_are_rejected(kwargs):
+    """One validator for both processes: the engine refuses what the HTTP side would refuse."""
+    assert sampling_problems(SamplingParams(**kwargs))
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        EngineRequest("r", (1,), SamplingParams(**kwargs))
+
+
+def test_default_sampling_params_are_valid():
+    assert sampling_problems(SamplingParams()) == []
 
 
 def test_empty_prompt_is_rejected():

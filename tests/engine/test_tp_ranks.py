@@ -60,6 +60,7 @@ def test_ranks_decide_identically(tmp_path):
 # ---- the rank process -----------------------------------------------------------------------------
 
 def run_rank(model_dir: Path, out_dir: Path, rank: int) -> None:
+    from mtpserve.config import EngineConfig, SpeculativeConfig
     from mtpserve.engine.request import EngineRequest, SamplingParams
     from mtpserve.engine.tp_factory import build_follower_runner, build_leader_engine
     from mtpserve.engine.tp_group import join_group
@@ -68,17 +69,17 @@ def run_rank(model_dir: Path, out_dir: Path, rank: int) -> None:
 
     tp = join_group(rank, 2)
     model, results = load_model(model_dir, tp), []
-    params = dict(num_speculative_tokens=2, max_num_seqs=4, max_prefill_chunk=24, num_kv_blocks=64,
-                  block_size=4, on_result=results.append)
+    sections = (EngineConfig(max_num_seqs=4, max_prefill_chunk=24, num_kv_blocks=64, block_size=4),
+                SpeculativeConfig(num_speculative_tokens=2))
     if rank == 0:
-        core = build_leader_engine(model, PlanChannel(tp), **params)
+        core = build_leader_engine(model, PlanChannel(tp), *sections, on_result=results.append)
         for i, (prompt, sampling) in enumerate(REQUESTS):
             core.add_request(EngineRequest(i, prompt, SamplingParams(**sampling)))
         while core.has_unfinished_requests():
             core.step()
         core.close()  # sends the stop plan
     else:
-        runner = build_follower_runner(model, PlanChannel(tp), **params)
+        runner = build_follower_runner(model, PlanChannel(tp), *sections, on_result=results.append)
         runner.follow().result()
         runner.close()
     np.savez(out_dir / f"rank{rank}.npz", **stacked(results))

@@ -159,7 +159,7 @@ def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
     land in the same memory, or a decode rank would read stale bytes."""
     import paddle
 
-    from mtpserve.engine.engine_core import EngineConfig, EngineCore
+    from mtpserve.engine.engine_core import CoreConfig, EngineCore
     from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
     from mtpserve.engine.request import EngineRequest, SamplingParams
     from mtpserve.engine.scheduler import SchedulerConfig
@@ -176,7 +176,7 @@ def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
                                                         num_speculative_tokens=2))
     buffers = kv_buffers(runner.kv, runner.proposer.kv)
     before = layout_of(buffers, 8)
-    core = EngineCore(EngineConfig(sched), runner)
+    core = EngineCore(CoreConfig(sched), runner)
     for i in range(3):
         core.add_request(EngineRequest(f"r{i}", tuple(range(1 + i, 30 + i)), SamplingParams(max_tokens=8)))
     while core.has_unfinished_requests():
