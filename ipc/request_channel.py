@@ -232,7 +232,7 @@ class RequestChannelServer:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._inbox: asyncio.Queue[AddRequest | AbortRequest] = asyncio.Queue()
+        self._inbox: asyncio.Queue[ToEngine] = asyncio.Queue()
         self._writers: set[asyncio.StreamWriter] = set()
         self._codec_in = FrameCodec(ToEngine)
         self._codec_out = FrameCodec(ToHttp)
@@ -249,14 +249,14 @@ class RequestChannelServer:
         os.chmod(path, 0o600)  # NOTE: the 0700 directory already closes the bind->chmod window
         return self
 
-    def poll(self) -> list[AddRequest | AbortRequest]:
+    def poll(self) -> list[ToEngine]:
         """Every message received so far, without waiting (the rank loop's intake)."""
         msgs = []
         while not self._inbox.empty():
             msgs.append(self._inbox.get_nowait())
         return msgs
 
-    async def recv(self) -> AddRequest | AbortRequest:
+    async def recv(self) -> ToEngine:
         return await self._inbox.get()
 
     def set_ready(self, ready: EngineReady) -> None:

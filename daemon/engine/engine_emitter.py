@@ -53,10 +53,8 @@ class Emitter:
         base = StepEmission(step_id, tuple(self.ids),
                           np.fromiter((t.shape[0] for t in self.tokens), np.int32, len(self.tokens)),
                           np.concatenate(self.tokens).astype(np.int64),
-                          np.asarray(self.reasons, np.uint8),
-                          num_draft_tokens=np.asarray(self.drafted, np.int64),
-                          num_accepted_tokens=np.asarray(self.accepted, np.int64),
-                          seq=np.asarray(self.seq, np.int64))
+                          np.asarray(self.reasons, np.uint8), np.asarray(self.seq, np.int64),
+                          np.asarray(self.drafted, np.int64), np.asarray(self.accepted, np.int64))
         if any(d is not None for d in self.drafts):
             base = base._replace(drafts=self._draft_columns())
         if all(lp is None for lp in self.logprobs):

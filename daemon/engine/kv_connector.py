@@ -18,7 +18,8 @@ Hooks, in the order one step calls them:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from mtpserve.engine.request import FinishReason, Request
 from mtpserve.engine.step_emission import StepEmission
@@ -28,6 +29,17 @@ if TYPE_CHECKING:
     from mtpserve.engine.scheduler import Scheduler
 
 RequestId = int | str
+
+
+class KVStats(TypedDict, total=False):
+    """A role's counters, under their ipc.request_channel.EngineStats names."""
+
+    num_kv_held: int
+    num_kv_leases_expired: int
+    num_kv_fetches: int
+    kv_fetch_bytes: int
+    kv_fetch_seconds: float
+    num_kv_fallbacks: int
 
 
 class KVEndpoint(Protocol):
@@ -69,7 +81,7 @@ class KVConnector:
     def on_abort(self, request_id: RequestId) -> Request | None:
         return None
 
-    def release(self, request_ids: list[int]) -> None:
+    def release(self, request_ids: Sequence[RequestId]) -> None:
         """Blocks kept for other instances that they no longer need (ReleaseKV)."""
 
     def before_step(self) -> None:
@@ -81,8 +93,7 @@ class KVConnector:
     def after_step(self, emission: StepEmission) -> StepEmission:
         return emission
 
-    def stats(self) -> dict[str, int | float]:
-        """Counters for EngineStats (field names of ipc.request_channel.EngineStats)."""
+    def stats(self) -> KVStats:
         return {}
 
     def close(self) -> None:

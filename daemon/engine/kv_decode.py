@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from mtpserve import log
-from mtpserve.engine.kv_connector import KVConnector, KVEndpoint, RequestId
+from mtpserve.engine.kv_connector import KVConnector, KVEndpoint, KVStats, RequestId
 from mtpserve.engine.request import FinishReason, Request
 
 
@@ -135,6 +135,6 @@ class DecodeConnector(KVConnector):
         self.num_fallbacks += 1
         self.scheduler.add(request)
 
-    def stats(self) -> dict[str, int | float]:
-        return dict(num_kv_fetches=self.num_fetches, kv_fetch_bytes=self.fetch_bytes,
+    def stats(self) -> KVStats:
+        return KVStats(num_kv_fetches=self.num_fetches, kv_fetch_bytes=self.fetch_bytes,
                     kv_fetch_seconds=self.fetch_seconds, num_kv_fallbacks=self.num_fallbacks)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mtpserve import log
-from mtpserve.engine.kv_connector import KVConnector, KVEndpoint, RequestId
+from mtpserve.engine.kv_connector import KVConnector, KVEndpoint, KVStats, RequestId
 from mtpserve.engine.request import FinishReason, Request
 from mtpserve.engine.step_emission import StepEmission
 
@@ -61,7 +61,7 @@ class PrefillConnector(KVConnector):
         self._free(request_id)  # NOTE: a client that left before the decode instance took it
         return None
 
-    def release(self, request_ids: list[int]) -> None:
+    def release(self, request_ids: Sequence[RequestId]) -> None:
         for request_id in request_ids:
             self._free(request_id)
 
@@ -86,5 +86,5 @@ class PrefillConnector(KVConnector):
         self._new = [h for h in self._new if h.request_id != request_id]
         return True
 
-    def stats(self) -> dict[str, int | float]:
-        return dict(num_kv_held=len(self.holds), num_kv_leases_expired=self.num_expired)
+    def stats(self) -> KVStats:
+        return KVStats(num_kv_held=len(self.holds), num_kv_leases_expired=self.num_expired)

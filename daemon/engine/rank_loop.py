@@ -177,9 +177,11 @@ def engine_stats(core: EngineCore, step_id: int) -> rc.EngineStats:
 
 
 def _logprobs(out: StepEmission) -> StepLogprobs | None:
-    if out.token_logprobs is None:
+    # NOTE: the four columns exist together (engine_emitter.py), or none does.
+    lp, ranks, top_ids, top_lp = out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs
+    if lp is None or ranks is None or top_ids is None or top_lp is None:
         return None
-    return StepLogprobs(out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs)
+    return StepLogprobs(lp, ranks, top_ids, top_lp)
 
 
 def _topk_width(out: StepEmission) -> int:

@@ -30,7 +30,7 @@ from mtpserve.lifecycle import die_with_parent, exit_now, watch_parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtpserve.engine.rank_main", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mtpserve.engine.rank_main", description="A rank process.")
     parser.add_argument("config", type=Path, help="config.json written by the launcher")
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args(argv)

@@ -106,6 +106,12 @@ class Request:
         return self.num_prefill_scheduled < self.num_prefill_tokens
 
     @property
+    def slot_id(self) -> int:
+        """The device slot of a running request (the scheduler sets it when the request starts)."""
+        assert self.slot is not None, f"request {self.request_id} has no slot"
+        return self.slot
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -122,6 +128,7 @@ class Request:
     def kv_arrived(self) -> None:
         """The prompt's KV came from the prefill instance: the request decodes from its first token."""
         remote, self.remote = self.remote, None
+        assert remote is not None, "only a prefilled request's KV arrives"
         self.num_kv_tokens = int(self.prompt_ids.shape[0])
         self.num_prefill_scheduled = self.num_prefill_tokens
         self.remote_start = (remote.first_token_id, np.asarray(remote.draft_token_ids, np.int64))

@@ -87,7 +87,7 @@ def processed_logits(logits: paddle.Tensor, counts: paddle.Tensor | None,
     """Penalties and the min_tokens mask. counts/prompt_mask None: no row has a penalty (host-known),
     so that work is skipped. -> [N, V] float32; its argmax is the greedy choice."""
     logits = logits.astype("float32")
-    if counts is not None:
+    if counts is not None and prompt_mask is not None:
         logits = apply_penalties(logits, counts, prompt_mask, p)
     return mask_stops_before_min_tokens(logits, p)
 

@@ -177,7 +177,7 @@ class Scheduler:
             self._start(request)
             plan.inserts.append(request)
             if request.block_ids:
-                plan.block_writes.append(BlockWrite(request.slot, 0, tuple(request.block_ids)))
+                plan.block_writes.append(BlockWrite(request.slot_id, 0, tuple(request.block_ids)))
             self._grow(request, needed, plan)
             self._add_row(request, num_tokens, plan)
 
@@ -211,7 +211,7 @@ class Scheduler:
         first_col = len(request.block_ids)
         new = self.blocks.grow(request.block_ids, num_tokens)
         if new:
-            plan.block_writes.append(BlockWrite(request.slot, first_col, tuple(new)))
+            plan.block_writes.append(BlockWrite(request.slot_id, first_col, tuple(new)))
 
     def _add_row(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> None:
         is_prefill = request.is_prefilling
@@ -219,7 +219,7 @@ class Scheduler:
         if is_prefill:
             request.num_prefill_scheduled += num_tokens
         emits = not request.is_prefilling
-        plan.rows.append(ScheduledRow(request, request.epoch, request.slot, is_prefill, num_tokens,
+        plan.rows.append(ScheduledRow(request, request.epoch, request.slot_id, is_prefill, num_tokens,
                                       start, emits))
         request.num_inflight_tokens += num_tokens
         request.num_inflight_steps += int(emits)
@@ -262,7 +262,7 @@ class Scheduler:
         """Give back the slot, and the blocks unless their new owner (the KV connector) keeps them."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._free_slots.append(request.slot)
+            self._free_slots.append(request.slot_id)
         if not keep_blocks:
             self.blocks.free(request.block_ids)
         request.block_ids = []

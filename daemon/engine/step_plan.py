@@ -47,18 +47,18 @@ class SlotInsert:
     def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> SlotInsert:
         p = request.params
         stops = p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
-        start = {}
+        seq_len, last_token, drafts = 0, -1, None
         if request.remote_start is not None:
-            start = dict(seq_len=request.num_kv_tokens, last_token=request.remote_start[0],
-                         drafts=request.remote_start[1])
-        return cls(slot=request.slot, key=int(rng.seed_to_key(request.seed)),
+            seq_len, (last_token, drafts) = request.num_kv_tokens, request.remote_start
+        return cls(slot=request.slot_id, key=int(rng.seed_to_key(request.seed)),
                    prompt_ids=request.prompt_ids,
                    output_ids=np.asarray(request.output_ids, dtype=np.int64),
                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                    presence=p.presence_penalty, frequency=p.frequency_penalty,
                    repetition=p.repetition_penalty, max_tokens=p.max_tokens,
                    min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)),
-                   num_logprobs=-1 if p.logprobs is None else p.logprobs, **start)
+                   num_logprobs=-1 if p.logprobs is None else p.logprobs, seq_len=seq_len,
+                   last_token=last_token, drafts=drafts)
 
 
 @dataclasses.dataclass(frozen=True)

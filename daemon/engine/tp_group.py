@@ -25,4 +25,4 @@ def join_group(rank: int, size: int) -> TensorParallel:
 
 
 def backend() -> str:
-    return "nccl" if paddle.is_compiled_with_cuda() else "gloo"
+    return "nccl" if paddle.device.is_compiled_with_cuda() else "gloo"

@@ -6,8 +6,6 @@ sends only what changed since the previous step.
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import numpy as np
 
@@ -29,8 +27,27 @@ class WireArray(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.data, np.dtype(self.dtype)).reshape(self.shape).copy()
 
 
+class WireScalars(msgspec.Struct, array_like=True, frozen=True):
+    """Every SlotInsert field that is a plain number, with its type (a missing one fails decoding)."""
+
+    slot: int
+    key: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence: float
+    frequency: float
+    repetition: float
+    max_tokens: int
+    min_tokens: int
+    num_logprobs: int
+    seq_len: int
+    last_token: int
+
+
 class WireInsert(msgspec.Struct, array_like=True, frozen=True):
-    scalars: dict[str, float | int]  # every SlotInsert field that is a plain number
+    scalars: WireScalars
     prompt_ids: WireArray
     output_ids: WireArray
     stop_ids: tuple[int, ...]
@@ -46,7 +63,6 @@ class WirePlan(msgspec.Struct, array_like=True, frozen=True):
 
 _ARRAY_FIELDS = ("slots", "is_prefill", "num_tokens", "start_pos", "emits", "prefill_ids",
                  "prefill_next_ids")
-_INSERT_ARRAYS = ("prompt_ids", "output_ids", "stop_ids", "drafts")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WirePlan)
 
@@ -66,7 +82,7 @@ def decode_plan(data: bytes | memoryview) -> StepPlan:
 
 
 def _wire_insert(ins: SlotInsert) -> WireInsert:
-    scalars = {f.name: getattr(ins, f.name) for f in dataclasses.fields(ins) if f.name not in _INSERT_ARRAYS}
+    scalars = WireScalars(**{name: getattr(ins, name) for name in WireScalars.__struct_fields__})
     drafts = None if ins.drafts is None else WireArray.of(ins.drafts)
     return WireInsert(scalars, WireArray.of(ins.prompt_ids), WireArray.of(ins.output_ids),
                       tuple(ins.stop_ids), drafts)
@@ -75,4 +91,4 @@ def _wire_insert(ins: SlotInsert) -> WireInsert:
 def _slot_insert(wire: WireInsert) -> SlotInsert:
     return SlotInsert(prompt_ids=wire.prompt_ids.array(), output_ids=wire.output_ids.array(),
                       stop_ids=wire.stop_ids, drafts=None if wire.drafts is None else wire.drafts.array(),
-                      **wire.scalars)
+                      **msgspec.structs.asdict(wire.scalars))
