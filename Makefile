@@ -2,6 +2,7 @@
 # only when the files it depends on change.
 #   make serve   set everything up in .venv/ and serve the bundled model on 127.0.0.1:8000
 #   make test    set everything up in .venv/ and run the test suite
+#   make typecheck  the static type check CI runs first
 PYTHON ?= python3
 VENV := .venv
 STAMPS := .stamps
@@ -10,7 +11,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 OP_SOURCES := $(wildcard ops_ext/*.cc ops_ext/*.h ops_ext/*.cu)
 
-.PHONY: serve test install system clean
+.PHONY: serve test typecheck install system clean
 .DELETE_ON_ERROR:
 
 serve: install
@@ -21,6 +22,10 @@ test: install $(STAMPS)/test-deps
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose" >&2; exit 1; fi; \
 	exit $$rc
+
+# Static types: basedpyright over the package as setup.py assembles it (scripts/typecheck.py says how).
+typecheck: install $(STAMPS)/test-deps
+	$(BIN)/python scripts/typecheck.py
 
 install: $(STAMPS)/install
 
