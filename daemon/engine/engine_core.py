@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -36,8 +37,11 @@ class CoreConfig:
     seed: int = 0  # draws the seeds of requests that bring none
 
 
-class EngineCore:
-    def __init__(self, config: CoreConfig, runner: ModelRunner, connector: KVConnector | None = None) -> None:
+R = TypeVar("R", bound=ModelRunner)  # the runner's own type, for callers that reach into it (tests, PD)
+
+
+class EngineCore(Generic[R]):
+    def __init__(self, config: CoreConfig, runner: R, connector: KVConnector | None = None) -> None:
         if runner.num_speculative_tokens != config.scheduler.num_speculative_tokens:
             raise ValueError("runner and scheduler disagree on num_speculative_tokens")
         self.config = config

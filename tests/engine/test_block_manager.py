@@ -43,7 +43,8 @@ def test_lowest_free_ids_first_so_tables_stay_in_runs():
     """A PD KV read costs one copy per run of consecutive blocks: hand out the lowest ids first."""
     m = BlockManager(num_blocks=12, block_size=4)
     a, b, c = [], [], []
-    m.grow(a, 12), m.grow(b, 8), m.grow(c, 12)  # a: 0-2, b: 3-4, c: 5-7
+    for table, num_tokens in ((a, 12), (b, 8), (c, 12)):  # a: 0-2, b: 3-4, c: 5-7
+        m.grow(table, num_tokens)
     m.free(c)
     m.free(a)
     d = []

@@ -156,7 +156,8 @@ def test_abort_in_every_phase_leaves_no_state(reference, overlap, phase):
     if phase == "queued":
         core.add_request(EngineRequest("victim2", texts[2], greedy()))
         col.take(core.step())
-        assert core.scheduler.get("victim2").status.value == "waiting"
+        victim2 = core.scheduler.get("victim2")
+        assert victim2 is not None and victim2.status.value == "waiting"
         target = "victim2"
     else:
         target = "victim"

@@ -220,6 +220,8 @@ def test_logprobs_come_from_the_row_that_decided_each_token(model):
             start = int(out.num_tokens[:i].sum())
             sl = slice(start, start + int(out.num_tokens[i]))
             if rid == "lp":
+                assert out.token_logprobs is not None and out.token_ranks is not None
+                assert out.top_ids is not None and out.num_top_logprobs is not None
                 tokens += out.token_ids[sl].tolist()
                 lps += out.token_logprobs[sl].tolist()
                 ranks += out.token_ranks[sl].tolist()

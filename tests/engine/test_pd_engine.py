@@ -102,7 +102,7 @@ def test_prefill_then_decode_equals_mixed(model):
     d_core.idle()
     assert [f.request_id for f in fetches] == [f"r{i}" for i in range(len(texts))]
     for fetch in fetches:
-        copy_blocks(p_core, holds[fetch.source].block_ids, d_core, fetch.block_ids)
+        copy_blocks(p_core, holds[str(fetch.source)].block_ids, d_core, fetch.block_ids)
         conn.fetched(fetch.request_id, ok=True)
     got = {}
     drain(d_core, got)
@@ -182,7 +182,7 @@ def test_held_kv_is_freed_by_release_abort_or_lease(model):
     assert set(conn.holds) == {"r2"}
     assert conn.expire(now=time.monotonic()) == []
     assert conn.expire(now=holds["r2"].deadline + 0.001) == ["r2"]
-    assert core.scheduler.blocks.num_used_blocks == 0 and conn.stats()["num_kv_leases_expired"] == 1
+    assert core.scheduler.blocks.num_used_blocks == 0 and conn.stats().get("num_kv_leases_expired") == 1
     core.close()
 
 
