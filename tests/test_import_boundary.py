@@ -6,14 +6,15 @@ import sys
 
 import mtpserve.ipc
 import mtpserve.server
+import mtpserve.web
 
-PADDLE_FREE = ("mtpserve.server", "mtpserve.ipc", "mtpserve.config", "mtpserve.cli", "mtpserve.log",
+PADDLE_FREE = ("mtpserve.server", "mtpserve.web", "mtpserve.ipc", "mtpserve.config", "mtpserve.instance", "mtpserve.cli", "mtpserve.log",
                "mtpserve.tokenizer", "mtpserve.chat_template")
 
 
 def paddle_free_modules() -> list[str]:
     names = list(PADDLE_FREE)
-    for package in (mtpserve.server, mtpserve.ipc):
+    for package in (mtpserve.server, mtpserve.web, mtpserve.ipc):
         names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
     return names
 

@@ -14,7 +14,7 @@ from mtpserve.router.config import RouterConfig
 from mtpserve.router.context import ROUTER, RouterContext
 from mtpserve.router.health import poll_forever
 from mtpserve.router.upstream import Upstream
-from mtpserve.server.middlewares import api_key_middleware, content_type_middleware, error_middleware
+from mtpserve.web.middlewares import api_key_middleware, content_type_middleware, error_middleware
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # NOTE: the instances apply their own (smaller) limit
 

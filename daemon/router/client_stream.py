@@ -1,6 +1,6 @@
 """The SSE response to the client: started once the prefill answered 200, relayed to in raw batches.
 
-Errors after the start travel in-band in the instance's shape (mtpserve.server.sse): an event whose
+Errors after the start travel in-band in the instance's shape (mtpserve.web.sse): an event whose
 body is the OpenAI error object, then `[DONE]`.
 """
 
@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from mtpserve.router.metrics import RouterMetrics
-from mtpserve.server.sse import DONE, event
+from mtpserve.web.sse import DONE, event
 
 
 class ClientStream:

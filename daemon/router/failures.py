@@ -16,7 +16,7 @@ import aiohttp
 import msgspec
 
 from mtpserve.router.backends import Backend
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 
 MAX_ERROR_TEXT = 500  # characters of a backend's error body quoted in our message
 

@@ -28,7 +28,7 @@ from mtpserve.router.events import DONE, SseReader, is_error, kv_transfer_params
 from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, COMPLETED, DISCONNECTED, PREFILL_ONLY, RouterMetrics
 from mtpserve.router.stages import ReleaseOnce, Stages, passthrough
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 
 log = structlog.get_logger("mtpserve.router")
 

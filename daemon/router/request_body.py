@@ -11,7 +11,7 @@ import random
 
 import msgspec
 
-from mtpserve.server.errors import bad_request, from_decode_error
+from mtpserve.web.errors import bad_request, from_decode_error
 
 SEED_LIMIT = 2**63  # seeds are drawn from [0, SEED_LIMIT): a signed 64-bit int
 

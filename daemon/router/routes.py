@@ -20,7 +20,7 @@ from mtpserve.router.pipeline_json import json_pd
 from mtpserve.router.pipeline_stream import Result, stream_pd
 from mtpserve.router.request_body import is_stream, prepare_body
 from mtpserve.router.stages import Stages
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 

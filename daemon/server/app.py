@@ -21,7 +21,7 @@ from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
-from mtpserve.server.middlewares import api_key_middleware, content_type_middleware, error_middleware
+from mtpserve.web.middlewares import api_key_middleware, content_type_middleware, error_middleware
 from mtpserve.server.outputs import OutputSource
 from mtpserve.server.sampling import RequestLimits
 from mtpserve.server.text_model import TextModel

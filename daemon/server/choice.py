@@ -16,7 +16,7 @@ import time
 from typing import NamedTuple
 
 from mtpserve.server.detokenizer import IncrementalDetokenizer
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import TokenDelta
 from mtpserve.server.stop_strings import StopStringMatcher

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.sampling import MAX_TOP_LOGPROBS, RequestLimits

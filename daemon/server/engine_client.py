@@ -24,7 +24,7 @@ from mtpserve.ipc.request_channel import (
 )
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate
 from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import OutputClosed, OutputSource

@@ -18,10 +18,10 @@ from aiohttp import web
 
 from mtpserve.server.choice import ChoiceUpdate
 from mtpserve.server.engine_client import EngineClient
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.pd_prefill import Handoff
 from mtpserve.server.schema import SamplingFields, StreamOptions
-from mtpserve.server.sse import SseWriter
+from mtpserve.web.sse import SseWriter
 from mtpserve.server.tracker import RequestStream
 from mtpserve.server.usage import usage
 

@@ -26,7 +26,7 @@ from mtpserve.config import Config
 from mtpserve.instance import model_dir
 from mtpserve.server.app import OpenOutput, make_app
 from mtpserve.server.context import CONTEXT, HttpSettings
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.text_model import TextModel
 from mtpserve.server.tracker import Tracker
 

@@ -11,7 +11,7 @@ import math
 import time
 
 from mtpserve.ipc.request_channel import EngineReady, KVLayout, RemotePrefill
-from mtpserve.server.errors import ApiError, bad_request
+from mtpserve.web.errors import ApiError, bad_request
 from mtpserve.server.sampling import RequestLimits, check_prompt_ids
 from mtpserve.server.schema import KVTransferParams
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import msgspec
 
 from mtpserve.ipc.request_channel import EngineReady, RemotePrefill, SamplingParams
-from mtpserve.server.errors import bad_request
+from mtpserve.web.errors import bad_request
 from mtpserve.server.pd_decode import PARAM, remote_prefill
 from mtpserve.server.sampling import RequestLimits
 from mtpserve.server.schema import SamplingFields

@@ -16,7 +16,7 @@ import msgspec
 from mtpserve.ipc.request_channel import EngineReady
 from mtpserve.server.choice import ChoiceState
 from mtpserve.server.engine_client import EngineClient
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.tracker import HeldKV, RequestStream
 
 

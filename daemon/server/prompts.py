@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
-from mtpserve.server.errors import bad_request
+from mtpserve.web.errors import bad_request
 from mtpserve.server.sampling import RequestLimits, check_prompt_ids
 from mtpserve.server.schema import ChatMessage, PromptField, message_text
 from mtpserve.server.text_model import ChatTemplateError, TextModel

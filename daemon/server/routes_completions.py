@@ -9,7 +9,7 @@ from aiohttp import web
 from mtpserve.server.completion_format import CompletionFormat
 from mtpserve.server.context import CONTEXT
 from mtpserve.server.engine_client import GenerateRequest
-from mtpserve.server.errors import model_not_found
+from mtpserve.web.errors import model_not_found
 from mtpserve.server.generation import respond
 from mtpserve.server.pd_plan import plan_pd
 from mtpserve.server.prompts import Prompts, tokenize_prompts

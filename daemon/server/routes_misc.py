@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mtpserve.server.context import CONTEXT
-from mtpserve.server.errors import bad_request
+from mtpserve.web.errors import bad_request
 from mtpserve.server.prompts import tokenize_chat, tokenize_prompts
 from mtpserve.server.routes_completions import check_model
 from mtpserve.server.sampling import check_prompt_ids

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from mtpserve.server.context import CONTEXT
-from mtpserve.server.errors import ApiError, bad_request
+from mtpserve.web.errors import ApiError, bad_request
 from mtpserve.server.schema import decode_body
 
 MAX_IDS = 4096  # one router batch; far above what one body needs

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mtpserve.ipc.request_channel import SamplingParams
-from mtpserve.server.errors import bad_request, context_too_long
+from mtpserve.web.errors import bad_request, context_too_long
 from mtpserve.server.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_TOP_LOGPROBS = 20

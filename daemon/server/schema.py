@@ -11,7 +11,7 @@ from typing import Literal, Union
 import msgspec
 
 from mtpserve.ipc.request_channel import KVLayout
-from mtpserve.server.errors import from_decode_error
+from mtpserve.web.errors import from_decode_error
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

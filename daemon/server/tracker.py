@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from mtpserve.ipc.request_channel import KVHeld
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate, Timed
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 from mtpserve.server.outputs import TokenDelta
 
 

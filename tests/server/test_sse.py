@@ -6,8 +6,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from mtpserve.server.errors import ApiError
-from mtpserve.server.sse import SseWriter, event
+from mtpserve.web.errors import ApiError
+from mtpserve.web.sse import SseWriter, event
 
 
 def test_event_bytes():

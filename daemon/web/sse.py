@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 
 _ENCODER = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"

@@ -11,7 +11,7 @@ import hmac
 import structlog
 from aiohttp import web
 
-from mtpserve.server.errors import ApiError
+from mtpserve.web.errors import ApiError
 
 log = structlog.get_logger("mtpserve.server")
 OPEN_PATHS = frozenset({"/health"})
