@@ -16,13 +16,17 @@ from aiohttp import web
 
 from mtpserve.ipc.request_channel import EngineReady, RequestChannelClient
 from mtpserve.server import routes_chat, routes_completions, routes_misc, routes_pd
-from mtpserve.server.context import CONTEXT, HttpSettings, ServerContext
+from mtpserve.config import Config, PdConfig
+from mtpserve.server.context import CONTEXT, ServerContext
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.web.middlewares import api_key_middleware, content_type_middleware, error_middleware
 from mtpserve.server.outputs import OutputSource
+from mtpserve.server.pd_decode import DecodeRole
+from mtpserve.server.pd_prefill import PrefillRole
+from mtpserve.server.pd_role import ServingRole
 from mtpserve.server.sampling import RequestLimits
 from mtpserve.server.text_model import TextModel
 
@@ -30,19 +34,29 @@ log = structlog.get_logger("mtpserve.server")
 OpenOutput = Callable[[EngineReady], Awaitable[OutputSource]]
 
 
-def make_app(settings: HttpSettings, text: TextModel, runtime_dir: Path, open_output: OpenOutput) -> web.Application:
+def make_app(config: Config, model_name: str, text: TextModel, runtime_dir: Path,
+             open_output: OpenOutput) -> web.Application:
+    server = config.server
     middlewares = [error_middleware]
-    if settings.api_key:
-        middlewares.append(api_key_middleware(settings.api_key))
+    if server.api_key:
+        middlewares.append(api_key_middleware(server.api_key))
     middlewares.append(content_type_middleware)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
-    app[CONTEXT] = ServerContext(settings, text, ServerMetrics(settings.model_name),
-                                 EngineHealth(settings.heartbeat_timeout), TokenTextCache(text))
+    app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
+    app[CONTEXT] = ServerContext(server, config.pd, model_name, serving_role(config.pd), text,
+                                 ServerMetrics(model_name), EngineHealth(server.heartbeat_timeout),
+                                 TokenTextCache(text))
     app.cleanup_ctx.append(_engine_connection(runtime_dir, open_output))
     app.on_shutdown.append(_start_draining)
     for routes in (routes_completions, routes_chat, routes_misc, routes_pd):
         routes.add_routes(app)
     return app
+
+
+def serving_role(pd: PdConfig) -> ServingRole:
+    """The instance's PD role on the HTTP side (docs/pd.md)."""
+    if pd.role == "prefill":
+        return PrefillRole(pd.kv_lease_timeout)
+    return DecodeRole() if pd.role == "decode" else ServingRole()
 
 
 def _engine_connection(runtime_dir: Path, open_output: OpenOutput):
@@ -61,7 +75,7 @@ def _engine_connection(runtime_dir: Path, open_output: OpenOutput):
 
 async def _connect(ctx: ServerContext, runtime_dir: Path, open_output: OpenOutput) -> None:
     """1. connect to rank 0's socket, 2. wait for EngineReady, 3. open the output path, 4. serve."""
-    timeout = ctx.settings.engine_ready_timeout
+    timeout = ctx.server.engine_ready_timeout
     try:
         channel = await RequestChannelClient.connect(runtime_dir, timeout)
         ready = await channel.wait_ready(timeout)
@@ -70,15 +84,15 @@ async def _connect(ctx: ServerContext, runtime_dir: Path, open_output: OpenOutpu
         ctx.health.dead(f"engine did not become ready: {exc}")
         log.error("engine not ready", error=str(exc))
         return
-    if ready.role != ctx.settings.pd_role:  # NOTE: both come from one config; a mismatch is a wiring bug
-        ctx.health.dead(f"engine role {ready.role!r} is not the configured pd.role {ctx.settings.pd_role!r}")
-        log.error("engine role mismatch", engine_role=ready.role, pd_role=ctx.settings.pd_role)
+    if ready.role != ctx.pd.role:  # NOTE: both come from one config; a mismatch is a wiring bug
+        ctx.health.dead(f"engine role {ready.role!r} is not the configured pd.role {ctx.pd.role!r}")
+        log.error("engine role mismatch", engine_role=ready.role, pd_role=ctx.pd.role)
         await output.close()
         await channel.close()
         return
-    s = ctx.settings
+    s = ctx.server
     ctx.limits = RequestLimits(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_n=s.max_n,
-                               max_stop_strings=s.max_stop_strings, max_prompts=s.max_prompts,
+                               max_stop_strings=s.max_stop_strings, max_prompts=s.max_prompts_per_request,
                                max_top_logprobs=s.max_top_logprobs)
     ctx.engine = EngineClient(channel, output, ready, ctx.text, ctx.metrics, ctx.health, s.max_concurrent_requests)
     ctx.engine.start()

@@ -6,36 +6,23 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mtpserve.config import PdConfig, ServerConfig
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
-from mtpserve.web.errors import ApiError
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
-from mtpserve.server.sampling import MAX_TOP_LOGPROBS, RequestLimits
+from mtpserve.server.pd_role import ServingRole
+from mtpserve.server.sampling import RequestLimits
 from mtpserve.server.text_model import TextModel
-
-
-@dataclass(frozen=True)
-class HttpSettings:
-    """The HTTP process's share of the configuration ([server] section)."""
-
-    model_name: str
-    api_key: str = ""
-    max_concurrent_requests: int = 256
-    max_body_bytes: int = 1 << 20
-    max_top_logprobs: int = MAX_TOP_LOGPROBS
-    max_n: int = 16
-    max_stop_strings: int = 16
-    max_prompts: int = 64
-    engine_ready_timeout: float = 600.0
-    heartbeat_timeout: float = 10.0
-    pd_role: str = "mixed"  # [pd] role: mixed, prefill or decode (docs/pd.md)
-    kv_lease_timeout: float = 30.0  # [pd]: how long a prefill waits for its engine's KVHeld at most
+from mtpserve.web.errors import ApiError
 
 
 @dataclass
 class ServerContext:
-    settings: HttpSettings
+    server: ServerConfig  # the configuration's [server] section, as loaded
+    pd: PdConfig  # its [pd] section
+    model_name: str  # server.served_model_name, else the model directory's name
+    role: ServingRole  # this instance's PD role (pd_role.py), chosen once
     text: TextModel
     metrics: ServerMetrics
     health: EngineHealth

@@ -1,8 +1,10 @@
-"""The HTTP process's handle on the engine: submit (with the 429 limit), release (abort), and the two
-loops that feed the tracker: control messages from the request channel, deltas from the output path.
+"""The HTTP process's handle on the engine: `open` a generation (engine_stream.py: submit with the
+429 limit, updates, release), and the two loops that feed the tracker: control messages from the
+request channel, deltas from the output path.
 
-Request path: route -> `submit` -> AddRequest per choice -> engine -> output path -> `_output_loop`
--> Tracker.dispatch -> RequestStream -> route (`next_updates`) -> `release` (AbortRequest if needed).
+Request path: route -> `open` -> AddRequest per choice -> engine -> output path -> `_output_loop`
+-> Tracker.dispatch -> RequestStream -> EngineStream (`next_updates`) -> `release` (AbortRequest if
+needed).
 PD (docs/pd.md): a prefill request's KVHeld comes through `_control_loop` into the same stream; the
 KV of a prefill request whose kv_transfer_params were never answered is released with the stream.
 """
@@ -24,6 +26,7 @@ from mtpserve.ipc.request_channel import (
 )
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate
 from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
+from mtpserve.server.engine_stream import EngineStream
 from mtpserve.web.errors import ApiError
 from mtpserve.server.health import EngineHealth
 from mtpserve.server.metrics import ServerMetrics
@@ -70,6 +73,10 @@ class EngineClient:
                 await task
         await self._output.close()
         await self._channel.close()
+
+    def open(self, req: GenerateRequest) -> EngineStream:
+        """The generation as an async context manager and iterator (engine_stream.py)."""
+        return EngineStream(self, req)
 
     def submit(self, req: GenerateRequest) -> RequestStream:
         """Register the choices and send them to the engine; 503 when not serving, 429 when full."""

@@ -25,28 +25,18 @@ from aiohttp import web
 from mtpserve.config import Config
 from mtpserve.instance import model_dir
 from mtpserve.server.app import OpenOutput, make_app
-from mtpserve.server.context import CONTEXT, HttpSettings
+from mtpserve.server.context import CONTEXT
 from mtpserve.web.errors import ApiError
 from mtpserve.server.text_model import TextModel
 from mtpserve.server.tracker import Tracker
 
 FAIL_GRACE_S = 2.0  # for handlers to write the shutdown error to their clients
 
-def settings_from(config: Config) -> HttpSettings:
-    s = config.server
-    return HttpSettings(
-        model_name=s.served_model_name or model_dir(config).resolve().name, api_key=s.api_key,
-        max_concurrent_requests=s.max_concurrent_requests, max_body_bytes=s.max_body_bytes,
-        max_top_logprobs=s.max_top_logprobs, engine_ready_timeout=s.engine_ready_timeout,
-        heartbeat_timeout=s.heartbeat_timeout, max_n=s.max_n, max_stop_strings=s.max_stop_strings,
-        max_prompts=s.max_prompts_per_request, pd_role=config.pd.role,
-        kv_lease_timeout=config.pd.kv_lease_timeout)
-
-
 def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:
     """Serve until SIGTERM/SIGINT, drain, return 0."""
     _configure_logging(config)
-    app = make_app(settings_from(config), TextModel.from_dir(model_dir(config)), runtime_dir, open_output)
+    model_name = config.server.served_model_name or model_dir(config).resolve().name
+    app = make_app(config, model_name, TextModel.from_dir(model_dir(config)), runtime_dir, open_output)
     uvloop.run(serve(app, config.server.host, config.server.port, config.server.drain_timeout))
     return 0
 

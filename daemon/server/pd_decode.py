@@ -1,4 +1,5 @@
-"""PD decode: check a request's `kv_transfer_params` and turn it into the engine's RemotePrefill.
+"""PD decode: a request with `kv_transfer_params` continues another instance's prefill; one without is
+served as on a mixed instance.
 
 The params come from another instance through the router, so everything the engine would trust is
 checked here: token ids in the vocabulary, one block per `block_size` prompt tokens, and a KV layout
@@ -10,12 +11,34 @@ from __future__ import annotations
 import math
 import time
 
-from mtpserve.ipc.request_channel import EngineReady, KVLayout, RemotePrefill
-from mtpserve.web.errors import ApiError, bad_request
+from mtpserve.ipc.request_channel import EngineReady, KVLayout, RemotePrefill, SamplingParams
+from mtpserve.server.pd_role import PARAM, RolePlan, ServingRole
 from mtpserve.server.sampling import RequestLimits, check_prompt_ids
-from mtpserve.server.schema import KVTransferParams
+from mtpserve.server.schema import KVTransferParams, SamplingFields
+from mtpserve.web.errors import ApiError, bad_request
 
-PARAM = "kv_transfer_params"
+
+class DecodeRole(ServingRole):
+    name = "decode"
+
+    def plan(self, req: SamplingFields, ready: EngineReady, limits: RequestLimits) -> RolePlan:
+        self.refuse_fan_out(req)
+        params = req.kv_transfer_params
+        if params is None:
+            return RolePlan()
+        return DecodePlan(remote_prefill(params, ready, limits), params.prompt_token_ids)
+
+
+class DecodePlan(RolePlan):
+    def __init__(self, remote: RemotePrefill, prompt_ids: list[int]) -> None:
+        # NOTE: the prefill instance's tokens, never re-tokenized (a chat template may not be stable).
+        self.remote, self.prompt_ids = remote, prompt_ids
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        if params.max_tokens < 2:
+            raise bad_request("With `kv_transfer_params` the maximum tokens must be at least 2 (the prefill "
+                              "instance already generated the first).", "max_tokens")
+        return params
 
 
 def remote_prefill(params: KVTransferParams, ready: EngineReady, limits: RequestLimits) -> RemotePrefill:

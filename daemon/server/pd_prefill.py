@@ -1,50 +1,66 @@
-"""PD prefill: after the first token, the `kv_transfer_params` a decode instance continues from.
+"""PD prefill: every request runs its first token only; unless that token ends it, the answer ends with
+the `kv_transfer_params` a decode instance continues from, and the engine holds the KV meanwhile.
 
 The first token's frame (output path) and the engine's KVHeld (request channel) arrive in either
-order; `Handoff.params` waits for both. No params when the request ended with that token (EOS or a
-stop token, a stop string, or the client asked for one token): the answer is then the final one, and
-the engine client releases whatever the engine may hold (engine_client.release).
+order; `handoff` waits for both. No params when the request ended with that token (EOS or a stop
+token, a stop string, or the client asked for one token): the answer is then the final one, and the
+stream releases whatever the engine may hold.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
 
-from mtpserve.ipc.request_channel import EngineReady
-from mtpserve.server.choice import ChoiceState
-from mtpserve.server.engine_client import EngineClient
-from mtpserve.web.errors import ApiError
-from mtpserve.server.tracker import HeldKV, RequestStream
+from mtpserve.ipc.request_channel import EngineReady, SamplingParams
+from mtpserve.server.engine_stream import EngineStream
+from mtpserve.server.pd_role import PARAM, RolePlan, ServingRole
+from mtpserve.server.sampling import RequestLimits
+from mtpserve.server.schema import SamplingFields
+from mtpserve.server.tracker import HeldKV
+from mtpserve.web.errors import bad_request
 
 
-class Handoff:
-    def __init__(self, ready: EngineReady, wait_timeout: float) -> None:
-        """wait_timeout: seconds to wait for KVHeld after the first token (the lease is no longer)."""
-        self._ready, self._wait_timeout = ready, wait_timeout
+class PrefillRole(ServingRole):
+    name = "prefill"
 
-    async def params(self, engine: EngineClient, stream: RequestStream) -> dict | None:
+    def __init__(self, kv_wait_timeout: float) -> None:
+        """kv_wait_timeout: seconds to wait for KVHeld after the first token (the lease is no longer)."""
+        self.kv_wait_timeout = kv_wait_timeout
+
+    def plan(self, req: SamplingFields, ready: EngineReady, limits: RequestLimits) -> RolePlan:
+        self.refuse_fan_out(req)
+        if req.kv_transfer_params is not None:
+            raise bad_request(f"`{PARAM}` is only accepted by a decode instance (this one is prefill).", PARAM)
+        return PrefillPlan(ready, self.kv_wait_timeout)
+
+
+class PrefillPlan(RolePlan):
+    def __init__(self, ready: EngineReady, kv_wait_timeout: float) -> None:
+        self._ready, self._kv_wait_timeout = ready, kv_wait_timeout
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        if num_prompts > 1:
+            raise bad_request("A prefill instance serves one prompt per request.", "prompt")
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """One token; the KV is held when more are to follow on a decode instance."""
+        self.hold_kv = params.max_tokens > 1
+        return msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+    async def handoff(self, stream: EngineStream) -> dict[str, object] | None:
         """The params for the stream's one choice, or None when it does not continue elsewhere."""
         [choice] = stream.choices
         if not choice.continues:
             return None
-        held = await self._wait_held(engine, stream, choice.engine_id)
-        return self._params(held, stream.prompts[0], choice)
+        held = await stream.wait_held(choice.engine_id, self._kv_wait_timeout)
+        return self._params(held, stream.prompts[0], choice.first_token_id, choice.draft_ids or [])
 
-    async def _wait_held(self, engine: EngineClient, stream: RequestStream, engine_id: int) -> HeldKV:
-        try:
-            async with asyncio.timeout(self._wait_timeout):
-                while engine_id not in stream.held:
-                    await engine.next_updates(stream)
-        except TimeoutError:
-            raise ApiError(500, "The engine did not report the prefilled KV blocks.", code="engine_error") from None
-        return stream.held[engine_id]
-
-    def _params(self, held: HeldKV, prompt_ids: list[int], choice: ChoiceState) -> dict:
+    def _params(self, held: HeldKV, prompt_ids: list[int], first_token_id: int | None,
+                draft_ids: list[int]) -> dict[str, object]:
         lease_left = held.msg.lease_expires_in - (time.monotonic() - held.arrived)
         return {"transfer_id": held.msg.request_id, "kv_session": self._ready.kv_session,
                 "kv_layout": msgspec.to_builtins(self._ready.kv_layout), "block_ids": held.msg.block_ids,
-                "prompt_token_ids": prompt_ids, "first_token_id": choice.first_token_id,
-                "draft_token_ids": choice.draft_ids or [], "lease_expires_in": max(lease_left, 0.0)}
+                "prompt_token_ids": prompt_ids, "first_token_id": first_token_id,
+                "draft_token_ids": draft_ids, "lease_expires_in": max(lease_left, 0.0)}

@@ -19,8 +19,8 @@ _STARTED = int(time.time())
 
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    card = {"id": ctx.settings.model_name, "object": "model", "created": _STARTED, "owned_by": "mtpserve",
-            "root": ctx.settings.model_name,
+    card = {"id": ctx.model_name, "object": "model", "created": _STARTED, "owned_by": "mtpserve",
+            "root": ctx.model_name,
             "max_model_len": ctx.limits.max_model_len if ctx.limits else None}
     return web.json_response({"object": "list", "data": [card]})
 
@@ -40,7 +40,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     req = decode_body(await request.read(), TokenizeRequest)
-    check_model(req.model, ctx.settings.model_name)
+    check_model(req.model, ctx.model_name)
     _, limits = ctx.require_engine()
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of `prompt` and `messages`.", "prompt")
@@ -55,7 +55,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     req = decode_body(await request.read(), DetokenizeRequest)
-    check_model(req.model, ctx.settings.model_name)
+    check_model(req.model, ctx.model_name)
     _, limits = ctx.require_engine()
     if req.tokens:
         check_prompt_ids(req.tokens, limits, "tokens")

@@ -26,8 +26,8 @@ async def release_kv(request: web.Request) -> web.Response:
     engine = ctx.engine  # NOTE: not require_engine: a draining prefill must still free what it holds
     if engine is None:
         raise ApiError(503, "The engine is not connected.", code="unavailable")
-    if ctx.settings.pd_role != "prefill":
-        raise bad_request(f"Only a prefill instance holds KV for others (this one is {ctx.settings.pd_role}).",
+    if ctx.pd.role != "prefill":
+        raise bad_request(f"Only a prefill instance holds KV for others (this one is {ctx.pd.role}).",
                           "transfer_ids")
     ids = list(dict.fromkeys(req.transfer_ids))
     if len(ids) > MAX_IDS or any(i < 0 for i in ids):

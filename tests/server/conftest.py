@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from mtpserve.server.app import make_app
-from mtpserve.server.context import HttpSettings
+from mtpserve.config import Config, ServerConfig
 from mtpserve.server.text_model import TextModel
 from server_harness import MODEL_NAME, open_fake_output, start_fake_engine, wait_healthy, write_model_dir
 
@@ -71,8 +71,10 @@ def transport(request) -> str:
 
 
 @pytest.fixture
-def settings() -> HttpSettings:
-    return HttpSettings(model_name=MODEL_NAME, max_concurrent_requests=128, max_body_bytes=64 * 1024)
+def settings() -> Config:
+    """The configuration the HTTP app is built from (its [server] and [pd] sections)."""
+    return Config(server=ServerConfig(served_model_name=MODEL_NAME, max_concurrent_requests=128,
+                                      max_body_bytes=64 * 1024, heartbeat_timeout=10.0))
 
 
 @pytest.fixture
@@ -80,7 +82,7 @@ async def fake_server(tmp_path, text_model, settings, engine_args, transport):
     """(base_url, app) of an HTTP app connected to a fake engine process; both stopped afterwards."""
     runtime_dir = tmp_path / "rt"
     proc = start_fake_engine(runtime_dir, text_model.vocab_size, *engine_args, transport=transport)
-    app = make_app(settings, text_model, runtime_dir, open_fake_output)
+    app = make_app(settings, MODEL_NAME, text_model, runtime_dir, open_fake_output)
     server = TestServer(app, handler_cancellation=True)
     await server.start_server()
     base_url = str(server.make_url("")).rstrip("/")

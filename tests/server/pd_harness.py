@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.request_channel import RequestChannelServer
 from mtpserve.server.app import make_app
-from mtpserve.server.context import HttpSettings
+from mtpserve.config import Config, PdConfig, ServerConfig
 from mtpserve.server.text_model import TextModel
 from pd_fake_engine import PdFakeEngine, PdFrameSink, fake_args
 from server_harness import MODEL_NAME, open_fake_output, wait_healthy
@@ -44,8 +44,9 @@ async def pd_instance(tmp_path: Path, text: TextModel, role: str, api_key: str =
     engine = PdFakeEngine(server, sink, fake_args(text.vocab_size), engine_role or role)
     server.set_ready(engine.ready())
     task = asyncio.create_task(engine.run())
-    settings = HttpSettings(model_name=MODEL_NAME, api_key=api_key, pd_role=role, kv_lease_timeout=5.0)
-    http = TestServer(make_app(settings, text, runtime, open_fake_output), handler_cancellation=True)
+    config = Config(server=ServerConfig(served_model_name=MODEL_NAME, api_key=api_key, heartbeat_timeout=10.0),
+                    pd=PdConfig(role=role, kv_lease_timeout=5.0))
+    http = TestServer(make_app(config, MODEL_NAME, text, runtime, open_fake_output), handler_cancellation=True)
     try:
         await http.start_server()
         url = str(http.make_url("")).rstrip("/")

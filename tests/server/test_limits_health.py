@@ -4,13 +4,14 @@ the stream started (SSE error event then [DONE])."""
 import aiohttp
 import pytest
 
-from server_harness import LONG, read_events, start_fake_engine, wait_healthy
+from server_harness import LONG, MODEL_NAME, read_events, start_fake_engine, wait_healthy
 
 
 @pytest.fixture
 def settings(settings):
     import dataclasses
-    return dataclasses.replace(settings, max_concurrent_requests=4, api_key="sekrit")
+    return dataclasses.replace(settings, server=dataclasses.replace(settings.server, max_concurrent_requests=4,
+                                                                    api_key="sekrit"))
 
 
 async def test_limit_429_and_api_key(fake_server):
@@ -43,7 +44,8 @@ async def test_engine_death_mid_stream_is_sse_error_then_done(tmp_path, text_mod
     from server_harness import open_fake_output
     from mtpserve.server.app import make_app
     proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size, "--step-ms", "20")
-    server = TestServer(make_app(settings, text_model, tmp_path / "rt", open_fake_output), handler_cancellation=True)
+    server = TestServer(make_app(settings, MODEL_NAME, text_model, tmp_path / "rt", open_fake_output),
+                        handler_cancellation=True)
     await server.start_server()
     base_url = str(server.make_url("")).rstrip("/")
     auth = {"Authorization": "Bearer sekrit"}
@@ -72,7 +74,7 @@ async def test_health_503_while_starting(tmp_path, text_model, settings):
     from server_harness import open_fake_output
     from mtpserve.server.app import make_app
     (tmp_path / "rt").mkdir(mode=0o700)
-    server = TestServer(make_app(settings, text_model, tmp_path / "rt", open_fake_output))
+    server = TestServer(make_app(settings, MODEL_NAME, text_model, tmp_path / "rt", open_fake_output))
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as session:
@@ -103,9 +105,9 @@ async def test_health_follows_engine_progress(tmp_path, text_model, settings):
     from aiohttp.test_utils import TestServer
     from server_harness import open_fake_output
     from mtpserve.server.app import make_app
-    fast = dataclasses.replace(settings, heartbeat_timeout=0.5)
+    fast = dataclasses.replace(settings, server=dataclasses.replace(settings.server, heartbeat_timeout=0.5))
     proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size)
-    server = TestServer(make_app(fast, text_model, tmp_path / "rt", open_fake_output))
+    server = TestServer(make_app(fast, MODEL_NAME, text_model, tmp_path / "rt", open_fake_output))
     await server.start_server()
     base_url = str(server.make_url("")).rstrip("/")
     try:
