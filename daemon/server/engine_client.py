@@ -24,6 +24,7 @@ from mtpserve.ipc.request_channel import (
     AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, KVHeld, ReleaseKV, RemotePrefill,
     RequestChannelClient, RequestFailed, SamplingParams,
 )
+from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate
 from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
 from mtpserve.server.engine_stream import EngineStream
@@ -73,6 +74,9 @@ class EngineClient:
                 await task
         await self._output.close()
         await self._channel.close()
+
+    def output_stats(self) -> ReaderStats:
+        return self._output.stats()
 
     def open(self, req: GenerateRequest) -> EngineStream:
         """The generation as an async context manager and iterator (engine_stream.py)."""

@@ -6,8 +6,11 @@ cumulative in EngineStats; `observe_engine_stats` turns them into counter increm
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.ipc.request_channel import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -22,7 +25,9 @@ class ServerMetrics:
         self._model = model_name
         self._init_requests()
         self._init_engine()
+        self._init_output_path()
         self._last_stats: EngineStats | None = None
+        self._last_reader = ReaderStats()
 
     def _labels(self) -> list[str]:
         return ["model_name"]
@@ -64,7 +69,23 @@ class ServerMetrics:
         self.accepted_per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                               "Accepted drafts by draft position.", ("position",))
         self.http_active = self._gauge("mtpserve:http_requests_active", "Engine requests in flight.").labels(m)
+        self.engine_counters = {
+            "num_preemptions": self._counter("vllm:num_preemptions", "Running requests preempted to free KV "
+                                             "blocks (they recompute).").labels(m),
+            "num_discarded_rows": self._counter("mtpserve:discarded_rows", "Rows computed for requests that "
+                                                "finished, aborted or were preempted after launch.").labels(m),
+        }
         self._init_pd()
+
+    def _init_output_path(self) -> None:
+        """The HTTP process's reader of the output path (ipc/output_reader.py): what it refused or missed."""
+        m = self._model
+        self.frames_rejected = self._counter("mtpserve:output_frames_rejected",
+                                             "Output messages refused as malformed, by reason.", ("reason",))
+        self.frames_lost = self._counter("mtpserve:output_frames_lost",
+                                         "Gaps in the output channel's frame sequence.").labels(m)
+        self.seq_errors = self._counter("mtpserve:output_seq_errors", "Request rows whose token sequence "
+                                        "number was not the expected one (the request fails).").labels(m)
 
     def _init_pd(self) -> None:
         """PD (docs/pd.md): held KV on a prefill instance, KV reads on a decode instance."""
@@ -95,9 +116,19 @@ class ServerMetrics:
             before = last.num_accepted_per_pos[pos] if pos < len(last.num_accepted_per_pos) else 0
             self.accepted_per_pos.labels(self._model, str(pos)).inc(max(total - before, 0))
         self.kv_held.set(stats.num_kv_held)
-        for name, counter in self.pd_counters.items():
+        for name, counter in (self.pd_counters | self.engine_counters).items():
             counter.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self._last_stats = stats
+
+    def observe_reader(self, stats: ReaderStats) -> None:
+        """Turn the reader's cumulative counters into increments (called when /metrics is scraped)."""
+        last = self._last_reader
+        self.frames_lost.inc(max(stats.frames_lost - last.frames_lost, 0))
+        self.seq_errors.inc(max(stats.seq_errors - last.seq_errors, 0))
+        for reason, total in dict(stats.rejected).items():  # NOTE: a SysV reader thread may add a reason
+            self.frames_rejected.labels(self._model, str(reason)).inc(max(total - last.rejected[reason], 0))
+        self._last_reader = ReaderStats(frames_lost=stats.frames_lost, seq_errors=stats.seq_errors,
+                                        rejected=collections.Counter(stats.rejected))
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(self._model, reason).inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtpserve.ipc import wire
+from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.output_reader import EngineDead, OutputReader
 from mtpserve.ipc.request_channel import EngineReady
@@ -49,6 +50,9 @@ class FrameOutputSource:
         # tracker queues it for the thread that checks frames (the SysV reader's own thread).
         if self._reader.tracker is not None:
             self._reader.tracker.expect(request_id, start)
+
+    def stats(self) -> ReaderStats:
+        return self._reader.stats
 
     def forget_seq(self, request_id: int) -> None:
         if self._reader.tracker is not None:

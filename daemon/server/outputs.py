@@ -1,12 +1,14 @@
 """What the HTTP process consumes from the output path: per-request token deltas, one batch per step.
 
-The output reader (ipc/, written by the output-path work) is adapted to `OutputSource` by
-engine_client.py; a fake engine in tests speaks the same transports.
+The output reader (ipc/output_reader.py) is adapted to `OutputSource` by output_source.py; a fake
+engine in tests speaks the same transports.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
+
+from mtpserve.ipc.frame_assembler import ReaderStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -37,5 +39,9 @@ class OutputSource(Protocol):
 
     def forget_seq(self, request_id: int) -> None:
         """No frame will finish this request (the engine refused it): stop tracking its seq."""
+
+    def stats(self) -> ReaderStats:
+        """The reader's cumulative counters: frames, bytes, rejects by reason, lost frames, seq errors."""
+        ...
 
     async def close(self) -> None: ...

@@ -33,7 +33,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[CONTEXT].metrics.render()
+    ctx = request.app[CONTEXT]
+    if ctx.engine is not None:
+        ctx.metrics.observe_reader(ctx.engine.output_stats())
+    body = ctx.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -61,10 +61,6 @@ class RequestStream:
         updates = [self.by_engine_id[rid].apply(group) for rid, group in grouped.items()]
         return sorted((u for u in updates if u is not None), key=lambda u: u.index)
 
-    def engine_ids_to_abort(self) -> list[int]:
-        """Choices the engine may still be running: unfinished ones and those cut by a stop string."""
-        return [c.engine_id for c in self.choices if not c.finished or c.stopped_by_string]
-
     def num_steps(self) -> int:
         return sum(c.num_steps for c in self.choices)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
+from mtpserve.engine.rank_loop import engine_stats
 from mtpserve.engine.request import EngineRequest, FinishReason, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
@@ -117,6 +118,9 @@ def test_preemption_under_kv_pressure_keeps_greedy_output(reference, k):
     got = run(core, requests_for(texts), batch=16)
     assert core.scheduler.num_preemptions > 0
     assert got.tokens == ref.tokens and got.reasons == ref.reasons
+    stats = engine_stats(core, step_id=0)  # NOTE: what /metrics exports (vllm:num_preemptions_total)
+    assert stats.num_preemptions == core.scheduler.num_preemptions
+    assert stats.num_discarded_rows == core.num_discarded_rows
 
 
 def test_stop_rules_run_on_the_device(reference):

@@ -61,6 +61,9 @@ class FakeEngine:
         self.running: dict[int, FakeRequest] = {}
         self.step_id = 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
+        # NOTE: stand-ins with known values for counters only a real scheduler has: one preemption
+        # per abort, and one discarded row per finished request.
+        self.num_aborted = self.num_finished = 0
         self.accepted_per_pos = [0] * args.k
 
     async def run(self) -> None:
@@ -82,7 +85,7 @@ class FakeEngine:
                 self.running[msg.request_id] = FakeRequest(msg)
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
-                    self.running.pop(rid, None)
+                    self.num_aborted += self.running.pop(rid, None) is not None
 
     def step(self) -> list[OutputRow]:
         self.step_id += 1
@@ -90,6 +93,7 @@ class FakeEngine:
         for record in records:
             if record.finish_reason is not None:
                 del self.running[record.request_id]
+                self.num_finished += 1
         return records
 
     def _advance(self, req: FakeRequest) -> OutputRow:
@@ -129,7 +133,8 @@ class FakeEngine:
                            num_kv_blocks_used=sum(r.num_blocks() for r in self.running.values()),
                            num_kv_blocks_total=NUM_BLOCKS, num_drafts=self.num_drafts,
                            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted,
-                           num_accepted_per_pos=list(self.accepted_per_pos))
+                           num_accepted_per_pos=list(self.accepted_per_pos),
+                           num_preemptions=self.num_aborted, num_discarded_rows=self.num_finished)
 
 
 async def amain(args: argparse.Namespace) -> None:
