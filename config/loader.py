@@ -163,6 +163,10 @@ def _build(values: Mapping[str, Any]) -> Config:
 
 
 def _check_cross_field(config: Config) -> None:
+    if config.engine.dtype != "float32":
+        raise ConfigError(f"engine.dtype: {config.engine.dtype} is not supported; mtpserve computes in float32 "
+                          "(Paddle's CPU build has no bfloat16/float16 matmul, and the model path is float32): "
+                          "use --dtype float32")
     if config.parallel.node_rank >= config.parallel.nnodes:
         raise ConfigError(f"parallel.node_rank: must be < parallel.nnodes ({config.parallel.nnodes}), "
                           f"got {config.parallel.node_rank}")

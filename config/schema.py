@@ -52,7 +52,9 @@ class EngineConfig:
     num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
     enable_overlap: bool = key(True, "schedule step N+1 while step N runs on the device")
-    dtype: str = key("float32", "compute dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = key("float32", "compute dtype: float32 (bfloat16 and float16 are refused at start: "
+                     "Paddle's CPU build has no such matmul kernels and the model path is float32)",
+                     choices=("float32", "bfloat16", "float16"))
     step_timeout: float = key(10.0, "seconds a step may run before a tensor-parallel group is "
                               "declared hung and the instance goes down (TP > 1 only)", min=0.1)
     seed: int = key(0, "seed for requests that give none", min=0)
@@ -62,7 +64,8 @@ class EngineConfig:
 class SpeculativeConfig:
     num_speculative_tokens: int = key(2, "MTP draft tokens per step; 0 turns speculation off",
                                       min=0, max=8)
-    method: str = key("mtp", "draft source", choices=("mtp",), flag="--speculative-method")
+    method: str = key("mtp", "draft source: the model's own MTP layers (the only method; a vLLM-style "
+                      "setting so configurations carry over)", choices=("mtp",), flag="--speculative-method")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import paddle
 from paddle import _C_ops
 from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
+from mtpserve.config import IpcConfig
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import ChannelAddress
 
@@ -95,7 +96,7 @@ class OutputSender:
     rank: int
     vocab_size: int
     send_rank: int = 0
-    max_pending_bytes: int = 64 << 20
+    max_pending_bytes: int = IpcConfig.max_pending_bytes  # NOTE: the configuration's default
 
     def _address_attrs(self) -> tuple:
         a = self.address

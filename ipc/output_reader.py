@@ -22,6 +22,7 @@ import threading
 
 import posix_ipc
 
+from mtpserve.config import IpcConfig
 from mtpserve.ipc import sysv, wire
 from mtpserve.ipc.frame_assembler import FrameAssembler, ReaderStats
 from mtpserve.ipc.output_channel import OutputChannel
@@ -39,8 +40,9 @@ class OutputReader:
     """Reads one channel; `await get()` returns the next frame in order."""
 
     def __init__(self, channel: OutputChannel, *, vocab_size: int | None = None,
-                 track_seq: bool = True, liveness_interval: float = 0.5,
-                 max_buffered: int = 64) -> None:
+                 track_seq: bool = True, liveness_interval: float = IpcConfig.liveness_interval,
+                 max_buffered: int = IpcConfig.reader_max_buffered) -> None:
+        """Defaults are the configuration's [ipc] ones (config/schema.py)."""
         self.channel = channel
         self.tracker = SeqTracker() if track_seq else None
         self._assembler = FrameAssembler(channel.address.instance_tag, channel.ring,
@@ -56,6 +58,16 @@ class OutputReader:
         self._max_buffered = max_buffered
         self._paused = False  # POSIX: descriptor unregistered while max_buffered frames wait
         self._slots = threading.Semaphore(max_buffered)  # SysV: frames the thread may hand over
+
+    @property
+    def max_buffered(self) -> int:
+        """Decoded frames held for get() at most before the reader stops receiving."""
+        return self._max_buffered
+
+    @property
+    def liveness_interval(self) -> float:
+        """Seconds between checks that the channel still exists."""
+        return self._liveness_interval
 
     @property
     def stats(self) -> ReaderStats:

@@ -14,7 +14,7 @@ IPC_RMID = 0
 IPC_STAT = 2
 _MTYPE = ctypes.sizeof(ctypes.c_long)
 # struct msqid_ds offsets on 64-bit Linux (glibc): msg_perm.uid, msg_qnum, msg_lspid, msg_lrpid
-_UID_OFFSET, _MODE_OFFSET, _QNUM_OFFSET, _LSPID_OFFSET, _LRPID_OFFSET = 4, 20, 80, 96, 100
+_UID_OFFSET, _MODE_OFFSET, _LSPID_OFFSET, _LRPID_OFFSET = 4, 20, 96, 100
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.msgget.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -79,10 +79,6 @@ def last_pids(qid: int) -> tuple[int, int]:
     """(last sender pid, last receiver pid); 0 when nobody sent / received yet."""
     raw = _stat(qid)
     return _u32(raw, _LSPID_OFFSET), _u32(raw, _LRPID_OFFSET)
-
-
-def num_messages(qid: int) -> int:
-    return int.from_bytes(_stat(qid)[_QNUM_OFFSET:_QNUM_OFFSET + 8], "little")
 
 
 def remove(qid: int) -> None:

@@ -57,3 +57,24 @@ def test_config_prints_effective_values():
     assert out.returncode == 0
     assert "max_num_seqs = 7" in out.stdout
     assert "s3cret" not in out.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_dtype_the_host_cannot_compute_in_is_refused_in_one_line(dtype):
+    """Never silently float32: the daemon stops before anything starts, naming the key and the fix."""
+    out = mtpserve("serve", "--dtype", dtype, "--port", "1")
+    lines = [line for line in out.stderr.splitlines() if "warn" not in line.lower()]
+    assert out.returncode == 2
+    assert len(lines) == 1 and "engine.dtype" in lines[0] and "--dtype float32" in lines[0]
+
+
+def test_paddles_cpu_build_has_no_bfloat16_matmul():
+    """Why the refusal above: the kernel a bfloat16 model would need does not exist on this host."""
+    probe = ("import paddle\n"
+             "x = paddle.ones([2, 2]).astype('bfloat16')\n"
+             "try:\n    paddle.matmul(x, x)\nexcept RuntimeError as e:\n    print('not registered' in str(e))\n"
+             "else:\n    print('computed')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if "computed" in out.stdout:
+        pytest.fail("this Paddle computes bfloat16 matmul: engine.dtype=bfloat16 can be implemented now")
+    assert out.stdout.strip() == "True", out.stderr

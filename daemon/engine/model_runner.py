@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import paddle
 
+from mtpserve.config import EngineConfig
 from mtpserve.engine import rng
 from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.mtp_proposer import MTPProposer
@@ -30,9 +31,9 @@ from mtpserve.model.mimo_model import MiMoForCausalLM
 
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = EngineConfig.max_num_seqs  # NOTE: defaults are the configuration's (config/schema.py)
     num_blocks: int = 1024
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     num_speculative_tokens: int = 0
     kv_dtype: str = "float32"
 

@@ -17,8 +17,11 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+from mtpserve.config import EngineConfig
 from mtpserve.engine.block_manager import BlockManager, blocks_for
 from mtpserve.engine.request import FinishReason, Request, RequestStatus
+
+_ENGINE = EngineConfig()  # the configuration's defaults
 
 RequestId = int | str
 # NOTE: the KV connector's on_finish hook (kv_connector.py): True when it takes the blocks.
@@ -31,12 +34,15 @@ def _keep_nothing(request: Request, reason: FinishReason) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512
+    """The scheduler's limits; engine_factory.py fills them from the [engine] section, whose defaults
+    (config/schema.py, the one place they are declared) are these fields' too."""
+
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
+    max_prefill_chunk: int = _ENGINE.max_prefill_chunk
     num_speculative_tokens: int = 0
     num_blocks: int = 1024
-    block_size: int = 16
+    block_size: int = _ENGINE.block_size
     max_model_len: int = 0  # prompt + max_tokens limit; 0: only the KV capacity limits
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from mtpserve.config import EngineConfig
 from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.step_plan import StepPlan, StepResult
@@ -49,9 +50,9 @@ class SyntheticConfig:
     acceptance_rate: float = 0.7
     vocab_size: int = 32000
     num_speculative_tokens: int = 0
-    max_num_seqs: int = 64
+    max_num_seqs: int = EngineConfig.max_num_seqs  # NOTE: defaults are the configuration's (config/schema.py)
     num_blocks: int = 1024
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
 
 
 class SyntheticRunner:

@@ -34,6 +34,3 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
-
-    def with_input_ids(self, input_ids: paddle.Tensor) -> ForwardBatch:
-        return dataclasses.replace(self, input_ids=input_ids)

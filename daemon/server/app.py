@@ -16,7 +16,7 @@ from aiohttp import web
 
 from mtpserve.ipc.request_channel import EngineReady, RequestChannelClient
 from mtpserve.server import routes_chat, routes_completions, routes_misc, routes_pd
-from mtpserve.config import Config, PdConfig
+from mtpserve.config import Config, IpcConfig, PdConfig
 from mtpserve.server.context import CONTEXT, ServerContext
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
@@ -31,7 +31,7 @@ from mtpserve.server.sampling import RequestLimits
 from mtpserve.server.text_model import TextModel
 
 log = structlog.get_logger("mtpserve.server")
-OpenOutput = Callable[[EngineReady], Awaitable[OutputSource]]
+OpenOutput = Callable[[EngineReady, IpcConfig], Awaitable[OutputSource]]
 
 
 def make_app(config: Config, model_name: str, text: TextModel, runtime_dir: Path,
@@ -42,7 +42,7 @@ def make_app(config: Config, model_name: str, text: TextModel, runtime_dir: Path
         middlewares.append(api_key_middleware(server.api_key))
     middlewares.append(content_type_middleware)
     app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
-    app[CONTEXT] = ServerContext(server, config.pd, model_name, serving_role(config.pd), text,
+    app[CONTEXT] = ServerContext(server, config.pd, config.ipc, model_name, serving_role(config.pd), text,
                                  ServerMetrics(model_name), EngineHealth(server.heartbeat_timeout),
                                  TokenTextCache(text))
     app.cleanup_ctx.append(_engine_connection(runtime_dir, open_output))
@@ -79,7 +79,7 @@ async def _connect(ctx: ServerContext, runtime_dir: Path, open_output: OpenOutpu
     try:
         channel = await RequestChannelClient.connect(runtime_dir, timeout)
         ready = await channel.wait_ready(timeout)
-        output = await open_output(ready)
+        output = await open_output(ready, ctx.ipc)
     except (TimeoutError, OSError) as exc:
         ctx.health.dead(f"engine did not become ready: {exc}")
         log.error("engine not ready", error=str(exc))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from mtpserve.config import PdConfig, ServerConfig
+from mtpserve.config import IpcConfig, PdConfig, ServerConfig
 from mtpserve.server.detokenizer import TokenTextCache
 from mtpserve.server.engine_client import EngineClient
 from mtpserve.server.health import EngineHealth
@@ -21,6 +21,7 @@ from mtpserve.web.errors import ApiError
 class ServerContext:
     server: ServerConfig  # the configuration's [server] section, as loaded
     pd: PdConfig  # its [pd] section
+    ipc: IpcConfig  # its [ipc] section (the output reader's limits)
     model_name: str  # server.served_model_name, else the model directory's name
     role: ServingRole  # this instance's PD role (pd_role.py), chosen once
     text: TextModel

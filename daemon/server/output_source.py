@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtpserve.config import IpcConfig
 from mtpserve.ipc import wire
 from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.ipc.output_channel import OutputChannel
@@ -27,9 +28,12 @@ class FrameOutputSource:
         self._channel, self._reader = channel, reader
 
     @classmethod
-    async def open(cls, instance: str, vocab_size: int | None = None) -> FrameOutputSource:
+    async def open(cls, instance: str, vocab_size: int | None = None,
+                   ipc: IpcConfig = IpcConfig()) -> FrameOutputSource:
+        """`ipc`: the reader's limits (reader_max_buffered, liveness_interval)."""
         channel = OutputChannel.attach(instance)
-        reader = OutputReader(channel, vocab_size=vocab_size)
+        reader = OutputReader(channel, vocab_size=vocab_size, liveness_interval=ipc.liveness_interval,
+                              max_buffered=ipc.reader_max_buffered)
         await reader.start()
         return cls(channel, reader)
 
@@ -54,6 +58,10 @@ class FrameOutputSource:
     def stats(self) -> ReaderStats:
         return self._reader.stats
 
+    @property
+    def reader(self) -> OutputReader:
+        return self._reader
+
     def forget_seq(self, request_id: int) -> None:
         if self._reader.tracker is not None:
             self._reader.tracker.forget(request_id)
@@ -74,6 +82,6 @@ def _delta(row: RequestOutput, finish: str | None) -> TokenDelta:
     return TokenDelta(row.req_id, row.token_ids, row.logprobs, row.top_ids, row.top_logprobs, finish, row.draft_ids)
 
 
-async def open_output(ready: EngineReady) -> FrameOutputSource:
+async def open_output(ready: EngineReady, ipc: IpcConfig) -> FrameOutputSource:
     """main.py's OpenOutput: attach to the channel rank 0 named in its EngineReady."""
-    return await FrameOutputSource.open(ready.output_channel, ready.vocab_size)
+    return await FrameOutputSource.open(ready.output_channel, ready.vocab_size, ipc)

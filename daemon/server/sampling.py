@@ -10,11 +10,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from mtpserve.config import ServerConfig
 from mtpserve.ipc.request_channel import SamplingParams
 from mtpserve.web.errors import bad_request, context_too_long
 from mtpserve.server.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-MAX_TOP_LOGPROBS = 20
 _INT64_MAX = 2**63 - 1
 
 
@@ -22,11 +22,12 @@ _INT64_MAX = 2**63 - 1
 class RequestLimits:
     max_model_len: int
     vocab_size: int
-    max_n: int = 16
-    max_stop_strings: int = 16
+    # NOTE: defaults are the configuration's [server] ones (config/schema.py); app.py passes the real values.
+    max_n: int = ServerConfig.max_n
+    max_stop_strings: int = ServerConfig.max_stop_strings
     max_stop_string_chars: int = 256
-    max_prompts: int = 64
-    max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_prompts: int = ServerConfig.max_prompts_per_request
+    max_top_logprobs: int = ServerConfig.max_top_logprobs
 
 
 Check = tuple[str, Callable[[object], bool], str]

@@ -61,3 +61,28 @@ async def test_engine_preemptions_and_discarded_rows_are_exported(fake_server):
             await asyncio.sleep(0.05)
         assert counter(text, "mtpserve:discarded_rows_total") == 3
         assert counter(text, "vllm:num_preemptions_total") == 1
+
+
+async def test_the_ipc_reader_keys_reach_the_output_reader(tmp_path, text_model, settings):
+    """ipc.reader_max_buffered and ipc.liveness_interval configure the HTTP process's reader."""
+    import dataclasses
+
+    from aiohttp.test_utils import TestServer
+
+    from mtpserve.config import IpcConfig
+    from mtpserve.server.app import make_app
+    from mtpserve.server.output_source import FrameOutputSource
+    from server_harness import open_fake_output, start_fake_engine, wait_healthy
+
+    config = dataclasses.replace(settings, ipc=IpcConfig(reader_max_buffered=3, liveness_interval=0.25))
+    proc = start_fake_engine(tmp_path / "rt", text_model.vocab_size)
+    server = TestServer(make_app(config, MODEL_NAME, text_model, tmp_path / "rt", open_fake_output))
+    await server.start_server()
+    try:
+        await wait_healthy(str(server.make_url("")).rstrip("/"))
+        output = server.app[CONTEXT].engine._output
+        assert isinstance(output, FrameOutputSource)
+        assert output.reader.max_buffered == 3 and output.reader.liveness_interval == 0.25
+    finally:
+        await server.close()
+        proc.stop()
