@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser(with_bench: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="mtpserve", description=(__doc__ or "").split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mtpserve {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")

@@ -108,7 +108,7 @@ def stream_one(port: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("build/modules.json"))
     args = parser.parse_args()
     with socket.socket() as s:

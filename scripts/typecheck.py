@@ -41,12 +41,20 @@ def build_tree(mapping: dict[str, str]) -> dict[Path, Path]:
     links: dict[Path, Path] = {}
     for package, source in sorted(mapping.items()):
         top = ROOT / source
-        for path in sorted(top.rglob("*.py")):
+        for path in sorted(_sources(top)):
             link = TREE.joinpath(*package.split("."), path.relative_to(top))
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(os.path.relpath(path, link.parent))
             links[link] = path
     return links
+
+
+def _sources(top: Path) -> list[Path]:
+    """Python files under `top` that git tracks or would track (.gitignore'd build output, such as
+    Paddle's generated daemon/_ops.py, is not ours to check)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+                         capture_output=True, text=True, cwd=top, check=True).stdout
+    return [top / line for line in out.splitlines() if (top / line).exists()]
 
 
 def run_checker(links: dict[Path, Path]) -> int:

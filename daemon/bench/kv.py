@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m mtpserve.bench.kv [options]`, the same as `mtpserve bench kv [options]`."""
-    p = argparse.ArgumentParser(prog="mtpserve bench kv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="mtpserve bench kv", description=(__doc__ or "").split("\n")[0])
     _arguments(p)
     return run(p.parse_args(argv))
 

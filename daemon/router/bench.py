@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _options(argparse.ArgumentParser(prog="mtpserve.router.bench", description=__doc__.split("\n")[0]))
+    parser = _options(argparse.ArgumentParser(prog="mtpserve.router.bench", description=(__doc__ or "").split("\n")[0]))
     return run(parser.parse_args(argv))
 
 

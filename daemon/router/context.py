@@ -29,6 +29,13 @@ class RouterContext:
             ctx.metrics.watch(backend)
         return ctx
 
+    @property
+    def client(self) -> Upstream:
+        """The upstream session; it exists while the app runs (made in its cleanup context)."""
+        if self.upstream is None:
+            raise RuntimeError("the router's upstream session is not open")
+        return self.upstream
+
     def all_healthy_roles(self) -> bool:
         return self.prefill.num_healthy > 0 and self.decode.num_healthy > 0
 

@@ -29,6 +29,7 @@ class Drain:
     def request(self) -> Iterator[None]:
         """Count the current generation request (its handler's task) for the drain."""
         task = asyncio.current_task()
+        assert task is not None, "called from a handler's task"
         self._active.add(task)
         self._idle.clear()
         try:

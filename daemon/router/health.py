@@ -28,7 +28,7 @@ async def poll_forever(ctx: RouterContext) -> None:
 async def check(ctx: RouterContext, backend: Backend) -> None:
     was_healthy = backend.healthy
     try:
-        async with ctx.upstream.session.get(backend.url + "/health", timeout=ctx.upstream.short_timeout) as resp:
+        async with ctx.client.session.get(backend.url + "/health", timeout=ctx.client.short_timeout) as resp:
             text = (await resp.text(errors="replace"))[:300]
             status = resp.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

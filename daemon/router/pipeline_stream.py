@@ -56,6 +56,7 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         await _prefill(stages, prefill, client, relay)
         if relay.kv is None:
             return Result(await client.finish(send_done=True), BACKEND_ERROR if relay.had_error else PREFILL_ONLY)
+        assert relay.prefill is not None  # NOTE: set with relay.kv, by the prefill that answered
         release = stages.release_once(relay.prefill, relay.kv)
         await _decode(stages, decode, relay.kv, client, release, metrics)
         return Result(await client.finish(send_done=False), COMPLETED)

@@ -50,7 +50,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, ctx: RouterContext) -> Result:
     body = prepare_body(await request.read(), completions=request.path == "/v1/completions")
     prefill, decode = _pick(ctx.prefill), _pick(ctx.decode)
-    stages = Stages(ctx.upstream, (ctx.prefill, ctx.decode), ctx.metrics, request, body)
+    stages = Stages(ctx.client, (ctx.prefill, ctx.decode), ctx.metrics, request, body)
     with in_flight(decode) as decode_held:
         if is_stream(body):
             return await stream_pd(stages, request, prefill, decode_held, ctx.metrics)
@@ -71,7 +71,7 @@ async def list_models(request: web.Request) -> web.Response:
     auth = request.headers.get("Authorization")
     try:
         with backend_errors(decode):
-            async with ctx.upstream.session.get(decode.url + "/v1/models", timeout=ctx.upstream.short_timeout,
+            async with ctx.client.session.get(decode.url + "/v1/models", timeout=ctx.client.short_timeout,
                                                 headers={"Authorization": auth} if auth else None) as resp:
                 body = await resp.read()
     except BackendFailure as failure:

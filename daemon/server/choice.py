@@ -12,6 +12,8 @@ detokenizer and stop matcher hold the same tail and send it once it is complete 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import time
 from typing import NamedTuple
 
@@ -22,7 +24,8 @@ from mtpserve.server.outputs import TokenDelta
 from mtpserve.server.stop_strings import StopStringMatcher
 
 
-class ChoiceUpdate(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class ChoiceUpdate:
     index: int
     text: str
     token_ids: list[int]  # [T] tokens this update accounts for

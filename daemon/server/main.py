@@ -83,7 +83,7 @@ def _configure_logging(config: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtpserve.server.main", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mtpserve.server.main", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("config", type=Path, help="config.json written by the launcher into the runtime dir")
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config.read_bytes(), type=Config)

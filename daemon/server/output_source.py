@@ -18,7 +18,7 @@ from mtpserve.ipc.request_channel import EngineReady
 from mtpserve.ipc.token_frame import ControlMessage, RequestOutput, TokenFrame
 from mtpserve.server.outputs import OutputClosed, TokenDelta
 
-_FINISH = {wire.Finish.RUNNING: None, wire.Finish.PREEMPTED: None, wire.Finish.STOP: "stop",
+_FINISH: dict[int, str | None] = {wire.Finish.RUNNING: None, wire.Finish.PREEMPTED: None, wire.Finish.STOP: "stop",
            wire.Finish.LENGTH: "length", wire.Finish.ABORT: "abort", wire.Finish.ERROR: "error"}
 _TOKEN_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)  # DRAFT frames are for draft-logprob studies
 

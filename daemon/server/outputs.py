@@ -32,13 +32,16 @@ class OutputClosed(ConnectionError):
 class OutputSource(Protocol):
     async def next_batch(self) -> list[TokenDelta]:
         """The next step's deltas; raises OutputClosed when the engine is gone."""
+        ...
 
     def expect_seq(self, request_id: int, start: int) -> None:
         """The first frame of this request will carry `seq == start` (PD decode: the first token came
         from the prefill instance, so the engine starts at seq 1)."""
+        ...
 
     def forget_seq(self, request_id: int) -> None:
         """No frame will finish this request (the engine refused it): stop tracking its seq."""
+        ...
 
     def stats(self) -> ReaderStats:
         """The reader's cumulative counters: frames, bytes, rejects by reason, lost frames, seq errors."""

@@ -21,36 +21,36 @@ class Prompts(NamedTuple):
     texts: list[str]  # [num_prompts] prompt text (for echo)
 
 
-def split_prompt(prompt: PromptField, limits: RequestLimits) -> list[str] | list[list[int]]:
-    """Tell the four accepted prompt shapes apart; anything else is a 400 on `prompt`."""
+def split_prompt(prompt: PromptField, limits: RequestLimits) -> tuple[list[str], list[list[int]]]:
+    """Tell the four accepted prompt shapes apart: (texts, token id lists), one of them empty;
+    anything else is a 400 on `prompt`."""
+    texts: list[str] = []
+    ids: list[list[int]] = []
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
+        texts = [prompt]
+    elif not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
-    if all(isinstance(p, str) for p in prompt):
-        parts = prompt
+    elif all(isinstance(p, str) for p in prompt):
+        texts = [p for p in prompt if isinstance(p, str)]
     elif all(isinstance(p, int) for p in prompt):
-        parts = [prompt]
+        ids = [[p for p in prompt if isinstance(p, int)]]
     elif all(isinstance(p, list) for p in prompt):
-        parts = prompt
+        ids = [p for p in prompt if isinstance(p, list)]
     else:
         raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a list of "
                           "lists of token ids.", "prompt")
-    if len(parts) > limits.max_prompts:
+    if len(texts) + len(ids) > limits.max_prompts:
         raise bad_request(f"At most {limits.max_prompts} prompts per request.", "prompt")
-    return parts
+    return texts, ids
 
 
 async def tokenize_prompts(prompt: PromptField, text: TextModel, limits: RequestLimits,
                            add_special_tokens: bool = True) -> Prompts:
-    parts = split_prompt(prompt, limits)
-    if isinstance(parts[0], str):
-        if any(not p for p in parts):
+    texts, ids = split_prompt(prompt, limits)
+    if texts:
+        if any(not p for p in texts):
             raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
-        ids = await _encode(text, parts, add_special_tokens)
-        texts = parts
-    else:
-        ids, texts = parts, []
+        ids = await _encode(text, texts, add_special_tokens)
     for one in ids:
         check_prompt_ids(one, limits, "prompt")
     return Prompts(ids, texts or [text.decode(one, skip_special_tokens=False) for one in ids])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from mtpserve.config import ServerConfig
 from mtpserve.ipc.request_channel import SamplingParams
@@ -30,7 +30,8 @@ class RequestLimits:
     max_top_logprobs: int = ServerConfig.max_top_logprobs
 
 
-Check = tuple[str, Callable[[object], bool], str]
+# NOTE: each predicate sees one field's value, whose type is that field's (Any: the table spans fields).
+Check = tuple[str, Callable[[Any], bool], str]
 
 # field, "is valid" predicate (None always passes), message
 _RANGE_CHECKS: list[Check] = [
@@ -49,7 +50,7 @@ _RANGE_CHECKS: list[Check] = [
 
 
 # field, "is it the default (or an equivalent)?" predicate
-_UNSUPPORTED: list[tuple[str, Callable[[object], bool]]] = [
+_UNSUPPORTED: list[tuple[str, Callable[[Any], bool]]] = [
     ("best_of", lambda v: v == 1),
     ("logit_bias", lambda v: not v),
     ("response_format", lambda v: v.get("type", "text") == "text"),
@@ -171,4 +172,5 @@ def _sampling_knobs(req: SamplingFields, vocab_size: int) -> dict:
 def _logprob_knobs(req: SamplingFields) -> dict:
     if isinstance(req, CompletionRequest):
         return dict(logprobs=req.logprobs)
+    assert isinstance(req, ChatCompletionRequest)
     return dict(logprobs=(req.top_logprobs or 0) if req.logprobs else None)

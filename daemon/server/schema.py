@@ -6,7 +6,7 @@ sampling.py, which also turns a body into the engine's SamplingParams.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import TypeVar, Literal, Union
 
 import msgspec
 
@@ -108,7 +108,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
+BodyT = TypeVar("BodyT", bound=msgspec.Struct)
+
+
+def decode_body(body: bytes, schema: type[BodyT]) -> BodyT:
     """JSON bytes -> Struct; any failure becomes a 400 (a top-level array included)."""
     try:
         return msgspec.json.decode(body, type=schema)

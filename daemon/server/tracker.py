@@ -49,11 +49,10 @@ class RequestStream:
         return self._apply(items)
 
     def _apply(self, items: list[Timed | HeldKV | ApiError]) -> list[ChoiceUpdate]:
-        failure = next((i for i in items if isinstance(i, ApiError)), None)
-        if failure is not None:
-            raise failure
         grouped: dict[int, list[Timed]] = {}
         for item in items:
+            if isinstance(item, ApiError):
+                raise item
             if isinstance(item, HeldKV):
                 self.held[item.msg.request_id] = item
             else:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from mtpserve.server.tracker import RequestStream
 
 
-def usage(stream: RequestStream, num_speculative_tokens: int) -> dict:
+def usage(stream: RequestStream, num_speculative_tokens: int) -> dict[str, object]:
     prompt_tokens = sum(stream.num_prompt_tokens)
     completion_tokens = sum(c.num_tokens for c in stream.choices)
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    out: dict[str, object] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
     if num_speculative_tokens > 0:
         out["spec_decode"] = spec_decode_stats(stream, num_speculative_tokens)

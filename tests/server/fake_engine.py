@@ -154,7 +154,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main() -> None:
     die_with_parent()  # NOTE: a killed test run leaves no fake engine behind
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("runtime_dir", type=Path)
     parser.add_argument("instance", help="output channel instance name (created by the test)")
     parser.add_argument("--vocab-size", type=int, default=1200)

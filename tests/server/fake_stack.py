@@ -26,7 +26,7 @@ from mtpserve.tokenizer import Tokenizer  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--step-ms", default="1")
