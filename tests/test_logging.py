@@ -36,7 +36,7 @@ def test_json_lines_with_bound_context_off_a_terminal():
     lines = run_probe()
     assert [line["event"] for line in lines] == ["plain", "in request", "in request", "after", "stdlib"]
     assert all(line["rank"] == 1 and line["instance"] == "i0" for line in lines)
-    assert sorted(line.get("request_id") for line in lines[1:3]) == ["a", "b"]
+    assert sorted(str(line.get("request_id")) for line in lines[1:3]) == ["a", "b"]
     assert "request_id" not in lines[3], "a task's request id leaked into the parent context"
     assert lines[4]["level"] == "warning" and lines[4]["logger"] == "aiohttp.access"
     assert all("timestamp" in line for line in lines)

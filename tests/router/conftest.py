@@ -3,6 +3,8 @@ in front of them, all real aiohttp servers on loopback ports."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -44,7 +46,7 @@ def router_options() -> dict:
 
 
 @pytest.fixture
-async def router(prefill, decode, router_options) -> TestClient:
+async def router(prefill, decode, router_options) -> AsyncIterator[TestClient]:
     client = await start_router([prefill.url], [decode.url], **router_options)
     try:
         yield client

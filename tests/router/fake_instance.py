@@ -96,7 +96,9 @@ class FakeInstance:
             groups = plan.event_groups()
             for i in range(len(groups) + 1):  # NOTE: the knobs may also hit the end of the body
                 if i == self.die_after:  # NOTE: like a killed process: no chunked end, a reset or a FIN
-                    request.transport.abort() if self.die_with_reset else request.transport.close()
+                    transport = request.transport
+                    assert transport is not None
+                    transport.abort() if self.die_with_reset else transport.close()
                     return response
                 if i == self.end_after:
                     break  # a clean end of the body, too early
@@ -178,16 +180,16 @@ class _Plan:
                   "finish_reason": self._finish(i)}
         return {**self.head, "object": self.kind, "choices": [choice]}
 
-    def event_groups(self) -> list[list[dict]]:
+    def event_groups(self) -> list[list[dict | str]]:  # NOTE: str: the closing [DONE]
         """Events by write: a role chunk (chat, not on decode), tokens in pairs (one write each, as
         several accepted drafts would be), the params (prefill), usage (not on prefill), [DONE]."""
-        groups: list[list[dict]] = []
+        groups: list[list[dict | str]] = []
         if self.chat and self.stage != "decode":
             groups.append([{**self.head, "object": "chat.completion.chunk",
                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}])
         offsets = [sum(map(len, self.tokens[:i])) for i in range(len(self.tokens))]
-        chunks = [self._chunk(i, offsets[i]) for i in range(len(self.tokens))]
+        chunks: list[dict | str] = [self._chunk(i, offsets[i]) for i in range(len(self.tokens))]
         groups += [chunks[i:i + 2] for i in range(0, len(chunks), 2)]
         if self.kv is not None:
             groups.append([{"kv_transfer_params": self.kv}])

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from mtpserve.router.backends import DECODE, BackendPool
+from mtpserve.router.backends import DECODE, Backend, BackendPool
 from mtpserve.router.config import parse_args
 from mtpserve.router.merge import merge_bodies
+
+
+def _picked(pool: BackendPool) -> Backend:
+    backend = pool.pick()
+    assert backend is not None, "no healthy backend"
+    return backend
 
 
 def _pool(num: int) -> BackendPool:
@@ -24,9 +30,9 @@ def test_pick_least_in_flight():
 
 def test_ties_go_round_robin_and_unhealthy_are_skipped():
     pool = _pool(3)
-    assert [pool.pick().url[-1] for _ in range(6)] == list("012012")
+    assert [_picked(pool).url[-1] for _ in range(6)] == list("012012")
     pool.backends[1].mark_unhealthy("down")
-    assert [pool.pick().url[-1] for _ in range(4)] == list("0202")
+    assert [_picked(pool).url[-1] for _ in range(4)] == list("0202")
     for backend in pool.backends:
         backend.mark_unhealthy("down")
     assert pool.pick() is None

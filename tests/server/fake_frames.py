@@ -76,7 +76,9 @@ class FrameSink:
 
     def _try_send(self, frame: bytes) -> bool:
         if not self._is_posix:
+            assert self._qid is not None
             return sysv.send(self._qid, frame)
+        assert self._mq is not None
         try:
             self._mq.send(frame, timeout=0)
             return True

@@ -62,6 +62,7 @@ class PdFakeEngine(FakeEngine):
     def __init__(self, server: RequestChannelServer, sink: PdFrameSink, args: argparse.Namespace,
                  role: str) -> None:
         super().__init__(server, sink, args)
+        self.sink: PdFrameSink = sink
         self.role = role
         self.received: list = []  # every request-channel message, in order
         self.held: dict[int, list[int]] = {}  # request id -> block ids (prefill role)

@@ -92,7 +92,7 @@ async def test_completions_logprobs_match_usage(client, stream):
         usage = chunk.usage or usage
         for c in chunk.choices:
             entries += len(c.logprobs.tokens) if c.logprobs else 0
-    assert entries == usage.completion_tokens > 0
+    assert usage is not None and entries == usage.completion_tokens > 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -111,6 +111,7 @@ async def test_chat_top5_prefix_of_top10(client, stream):
             usage = chunk.usage or usage
             for c in chunk.choices:
                 content += c.logprobs.content if c.logprobs else []
+        assert usage is not None
         return content, usage.completion_tokens
 
     (top5, n5), (top10, n10) = await run(5), await run(10)

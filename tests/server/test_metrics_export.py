@@ -33,6 +33,7 @@ async def test_reader_rejects_are_exported_and_the_stream_goes_on(fake_server):
         assert "mtpserve:output_frames_lost_total" in before and "mtpserve:output_seq_errors_total" in before
         queue.send(b"\x00" * 8)  # shorter than any header
         queue.close()
+        after = ""
         for _ in range(100):
             after = await metrics(session, base_url)
             if counter(after, "mtpserve:output_frames_rejected_total", reason="truncated") == 1:
@@ -54,6 +55,7 @@ async def test_engine_preemptions_and_discarded_rows_are_exported(fake_server):
                 assert r.status == 200
         async with session.post(base_url + "/v1/completions", json=LONG) as r:
             await r.content.readline()  # the client leaves mid-stream: the engine gets an abort
+        text = ""
         for _ in range(100):  # NOTE: the engine's heartbeat comes every 0.5 s
             text = await metrics(session, base_url)
             if counter(text, "vllm:num_preemptions_total") >= 1:
@@ -80,7 +82,9 @@ async def test_the_ipc_reader_keys_reach_the_output_reader(tmp_path, text_model,
     await server.start_server()
     try:
         await wait_healthy(str(server.make_url("")).rstrip("/"))
-        output = server.app[CONTEXT].engine._output
+        engine = server.app[CONTEXT].engine
+        assert engine is not None
+        output = engine._output
         assert isinstance(output, FrameOutputSource)
         assert output.reader.max_buffered == 3 and output.reader.liveness_interval == 0.25
     finally:

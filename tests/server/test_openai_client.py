@@ -71,6 +71,7 @@ async def test_chat_top5_is_prefix_of_top10(client, stream):
             for c in chunk.choices:
                 text += c.delta.content or ""
                 entries += c.logprobs.content if c.logprobs else []
+        assert usage is not None
         return entries, usage.completion_tokens, text
 
     top5, n5, text5 = await run(5)
@@ -132,7 +133,7 @@ async def test_stop_string_split_across_tokens(client, text_model):
                                                   logprobs=0)
             text, finish, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
             assert len(out.choices[0].logprobs.tokens) == usage.completion_tokens
-        assert text == expected_text and finish == "stop"
+        assert text == expected_text and finish == "stop" and usage is not None
         kept = text_model.decode(_expected_ids(text_model, prompt, usage.completion_tokens))
         assert stop in kept and stop not in text_model.decode(_expected_ids(text_model, prompt,
                                                                             usage.completion_tokens - 1))

@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -33,7 +34,8 @@ def pair(tmp_path_factory):
         assert prefill.stop() == 0 and decode.stop() == 0
 
 
-async def call(url: str, path: str, body: dict, headers: dict | None = None):
+async def call(url: str, path: str, body: dict, headers: dict | None = None) -> Any:
+    """The JSON body, or for a stream the list of its SSE events (each a JSON object)."""
     async with aiohttp.ClientSession() as session:
         async with session.post(url + path, json=body, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
@@ -49,7 +51,9 @@ def text_of(events: list) -> str:
 async def held(url: str) -> float:
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/metrics") as resp:
-            return float(re.search(r"^mtpserve:pd_kv_held\{[^}]*\} (\S+)$", await resp.text(), re.M).group(1))
+            match = re.search(r"^mtpserve:pd_kv_held\{[^}]*\} (\S+)$", await resp.text(), re.M)
+            assert match is not None
+            return float(match.group(1))
 
 
 async def test_completion_continues_on_decode_and_release_frees_the_kv(pair):

@@ -51,6 +51,7 @@ async def test_completion_stream_continues_after_the_first_token(pd):
     assert {e["id"] for e in first[:-1] + rest[:-1]} == {headers["X-Request-Id"]}
     add = remote_add(decode.engine)
     remote = add.remote_prefill
+    assert remote is not None
     assert add.prompt_token_ids == params["prompt_token_ids"] and add.sampling.max_tokens == 8
     assert (remote.kv_session, remote.block_ids, remote.first_token_id, remote.draft_token_ids) == (
         KV_SESSION, params["block_ids"], params["first_token_id"], params["draft_token_ids"])

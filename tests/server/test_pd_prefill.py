@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
+from multidict import CIMultiDictProxy
 import pytest
 
 from mtpserve.ipc.request_channel import AddRequest
@@ -22,7 +24,9 @@ async def prefill(tmp_path, text_model):
         yield inst
 
 
-async def post(url: str, path: str, body: dict, headers: dict | None = None):
+async def post(url: str, path: str, body: dict,
+               headers: dict | None = None) -> tuple[int, Any, CIMultiDictProxy[str]]:
+    """(status, the JSON body or for a 200 stream the list of its SSE events, headers)."""
     async with aiohttp.ClientSession() as session:
         async with session.post(url + path, json=body, headers=headers) as resp:
             if body.get("stream") and resp.status == 200:

@@ -2,10 +2,15 @@
 
 import pytest
 
-from mtpserve.server.stop_strings import StopStringMatcher
+from mtpserve.server.stop_strings import StopHit, StopStringMatcher
 
 
-def _run(stops, pieces):
+def _hit(matcher: StopStringMatcher) -> StopHit:
+    assert matcher.hit is not None, "no stop string matched"
+    return matcher.hit
+
+
+def _run(stops, pieces) -> tuple[str, StopStringMatcher]:
     matcher = StopStringMatcher(stops)
     shown = [matcher.feed(p) for p in pieces]
     if matcher.hit is None:
@@ -18,7 +23,7 @@ def _run(stops, pieces):
 def test_match_anywhere_truncates_before_stop(pieces):
     text, matcher = _run(["END"], pieces)
     assert text == "hello "
-    assert matcher.hit.stop == "END"
+    assert _hit(matcher).stop == "END"
 
 
 def test_partial_match_is_held_then_released():
@@ -35,14 +40,14 @@ def test_held_tail_flushed_at_end():
 
 def test_earliest_of_several_stops_wins():
     text, matcher = _run(["world", "lo w"], ["hello world"])
-    assert text == "hel" and matcher.hit.stop == "lo w"
+    assert text == "hel" and _hit(matcher).stop == "lo w"
 
 
 def test_hit_end_is_relative_to_the_last_fed_text():
     matcher = StopStringMatcher(["\n\n"])
     assert matcher.feed("line one\n") == "line one"  # the newline might start "\n\n"
     assert matcher.feed("\nmore") == ""
-    assert matcher.hit.end_in_fed == 1
+    assert _hit(matcher).end_in_fed == 1
 
 
 def test_no_stops_passes_through():
@@ -53,4 +58,4 @@ def test_no_stops_passes_through():
 def test_include_stop_keeps_the_stop_string():
     matcher = StopStringMatcher(["END"], include_stop=True)
     assert matcher.feed("abc E") == "abc " and matcher.feed("ND more") == "END"
-    assert matcher.hit.stop == "END"
+    assert _hit(matcher).stop == "END"
