@@ -20,7 +20,7 @@ from mtpserve.ipc.wire_decode import FrameHeader, WireError, decode_header, deco
 
 _SEQ_KINDS = (wire.Kind.TARGET, wire.Kind.FIRST_TOKEN)
 _IN_RING = int(wire.Flag.IN_RING)
-_FLAGS_AT = wire.HEADER_DTYPE.fields["flags"][1]
+_FLAGS_AT = wire.field_offset(wire.HEADER_DTYPE, "flags")
 
 
 @dataclass

@@ -169,8 +169,10 @@ def _address(instance: str, ring: ShmRing) -> ChannelAddress:
 def _write_ring_header(ring: ShmRing, instance: str, transport: wire.Transport, key: int,
                        max_msg_bytes: int, chunked: bool) -> None:
     pid = os.getpid()
+    started = process_start(pid)
+    assert started is not None, "our own process has a start time"
     for field, value in (("version", wire.RING_VERSION), ("transport", int(transport)),
-                         ("owner_pid", pid), ("owner_start", process_start(pid)),
+                         ("owner_pid", pid), ("owner_start", started),
                          ("sysv_key", key), ("max_msg_bytes", max_msg_bytes),
                          ("instance_tag", names.instance_tag(instance)), ("chunked", int(chunked))):
         ring.set(field, value)

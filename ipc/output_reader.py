@@ -73,13 +73,19 @@ class OutputReader:
     def stats(self) -> ReaderStats:
         return self._assembler.stats
 
+    @property
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop `start` ran on (every callback of the reader runs there)."""
+        assert self._loop is not None, "OutputReader used before start()"
+        return self._loop
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.channel.address.transport is wire.Transport.POSIX:
             self._start_posix()
         else:
             self._start_sysv()
-        self._liveness = self._loop.call_later(self._liveness_interval, self._check_alive)
+        self._liveness = self._event_loop.call_later(self._liveness_interval, self._check_alive)
 
     async def get(self) -> Frame:
         """The next frame; raises EngineDead once the channel is gone and all frames are read."""
@@ -98,7 +104,7 @@ class OutputReader:
         if self._liveness:
             self._liveness.cancel()
         if self._mq is not None:
-            self._loop.remove_reader(self._mq.mqd)
+            self._event_loop.remove_reader(self._mq.mqd)
             self._mq.close()
             self._mq = None
         if self._thread is not None:
@@ -108,28 +114,29 @@ class OutputReader:
 
     # POSIX ---------------------------------------------------------------------------------
     def _start_posix(self) -> None:
-        self._mq = posix_ipc.MessageQueue(self.channel.address.queue_name, read=True, write=False)
-        self._mq.block = False
-        self._loop.add_reader(self._mq.mqd, self._drain_posix)
+        self._mq = mq = posix_ipc.MessageQueue(self.channel.address.queue_name, read=True, write=False)
+        mq.block = False
+        self._event_loop.add_reader(mq.mqd, self._drain_posix)
 
     def _drain_posix(self) -> None:
-        while self._mq is not None:
+        while (mq := self._mq) is not None:
             if self._frames.qsize() >= self._max_buffered:
-                self._loop.remove_reader(self._mq.mqd)  # the queue fills: the engine sees it
+                self._event_loop.remove_reader(mq.mqd)  # the queue fills: the engine sees it
                 self._paused = True
                 return
             try:
-                message, _ = self._mq.receive()
+                message, _ = mq.receive()
             except posix_ipc.BusyError:
                 return
             for frame in self._assembler.feed(message):
                 self._frames.put_nowait(frame)
 
     def _resume_posix(self) -> None:
-        if self._mq is None or self._frames.qsize() >= self._max_buffered:
+        mq = self._mq
+        if mq is None or self._frames.qsize() >= self._max_buffered:
             return
         self._paused = False
-        self._loop.add_reader(self._mq.mqd, self._drain_posix)
+        self._event_loop.add_reader(mq.mqd, self._drain_posix)
         self._drain_posix()
 
     # SysV ----------------------------------------------------------------------------------
@@ -143,26 +150,30 @@ class OutputReader:
     def _sysv_loop(self, receiver: sysv.Receiver) -> None:
         while True:
             try:
-                mtype, body = receiver.recv()
+                received = receiver.recv()
             except OSError as e:
                 reason = "output queue removed" if e.errno in (errno.EIDRM, errno.EINVAL) else str(e)
-                self._loop.call_soon_threadsafe(self._mark_dead, reason)
+                self._event_loop.call_soon_threadsafe(self._mark_dead, reason)
                 return
+            assert received is not None  # NOTE: a blocking recv returns a message or raises
+            mtype, body = received
             if mtype == _STOP_MTYPE and self._closing:
                 return
             for frame in self._assembler.feed(body):
                 self._slots.acquire()  # waits while max_buffered frames are unread
                 if self._closing:
                     return
-                self._loop.call_soon_threadsafe(self._frames.put_nowait, frame)
+                self._event_loop.call_soon_threadsafe(self._frames.put_nowait, frame)
 
     async def _stop_thread(self) -> None:
+        thread = self._thread
+        assert thread is not None
         qid = sysv.find(self.channel.address.sysv_key)
-        while qid is not None and self._thread.is_alive():
+        while qid is not None and thread.is_alive():
             if sysv.send(qid, b"", mtype=_STOP_MTYPE):
                 break
             await asyncio.sleep(0.001)  # full queue: the thread is draining it
-        await asyncio.to_thread(self._thread.join, 5.0)
+        await asyncio.to_thread(thread.join, 5.0)
         self._thread = None
 
     # both ----------------------------------------------------------------------------------
@@ -172,12 +183,12 @@ class OutputReader:
         if self.channel.is_removed():
             self._mark_dead("output channel removed")
             return
-        self._liveness = self._loop.call_later(self._liveness_interval, self._check_alive)
+        self._liveness = self._event_loop.call_later(self._liveness_interval, self._check_alive)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
         if self._mq is not None:
-            self._loop.remove_reader(self._mq.mqd)
+            self._event_loop.remove_reader(self._mq.mqd)
         self._frames.put_nowait(None)

@@ -34,7 +34,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -161,7 +161,8 @@ def socket_path(runtime_dir: str | os.PathLike) -> Path:
 class FrameCodec:
     """Length-prefixed msgpack frames for one direction's message union."""
 
-    def __init__(self, decode_type: type) -> None:
+    def __init__(self, decode_type: Any) -> None:
+        """`decode_type`: the Union of one direction's message Structs (ToEngine or ToHttp)."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(decode_type)
 

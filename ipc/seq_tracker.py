@@ -75,7 +75,7 @@ class SeqTracker:
 
     def _cool(self) -> None:
         """Write the hot counts back into the sorted table."""
-        if self._hot_ids is not None:
+        if self._hot_ids is not None and self._hot_next is not None:
             self._upsert(self._hot_ids, self._hot_next)
             self._hot_ids = self._hot_next = None
 

@@ -23,8 +23,8 @@ from mtpserve.ipc import wire
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-_WRITE = wire.RING_DTYPE.fields["write_pos"][1] // 8
-_READ = wire.RING_DTYPE.fields["read_pos"][1] // 8
+_WRITE = wire.field_offset(wire.RING_DTYPE, "write_pos") // 8
+_READ = wire.field_offset(wire.RING_DTYPE, "read_pos") // 8
 
 
 class RingError(ValueError):

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from typing import NoReturn
 
 IPC_CREAT = 0o1000
 IPC_EXCL = 0o2000
@@ -27,7 +28,7 @@ _libc.msgctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
 _libc.msgctl.restype = ctypes.c_int
 
 
-def _raise(what: str) -> None:
+def _raise(what: str) -> NoReturn:
     err = ctypes.get_errno()
     raise OSError(err, f"{what}: {os.strerror(err)}")
 

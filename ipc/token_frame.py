@@ -64,6 +64,8 @@ class TokenFrame:
         if self.logprob is None:
             return [new(RequestOutput, (rid, seq, fin, tokens[a:b], None, None, None, None, d))
                     for (rid, seq, fin, a, b), d in zip(heads, drafts)]
+        # NOTE: the logprob sections come together (wire.SECTIONS: needs_logprobs)
+        assert self.rank is not None and self.topk_ids is not None and self.topk_logprobs is not None
         lp, rank = self.logprob.tolist(), self.rank.tolist()
         top_ids, top_lp = self.topk_ids.tolist(), self.topk_logprobs.tolist()
         return [new(RequestOutput, (rid, seq, fin, tokens[a:b], lp[a:b], rank[a:b], top_ids[a:b],

@@ -146,7 +146,7 @@ class CountKind(enum.IntEnum):
 class Section(NamedTuple):
     name: str
     dtype: str
-    count: CountKind
+    count_kind: CountKind
     needs_logprobs: bool
 
 
@@ -177,7 +177,7 @@ class SectionSpan(NamedTuple):
     name: str
     dtype: np.dtype
     offset: int
-    count: int
+    num_items: int
 
 
 def _count(kind: CountKind, shape: Shape) -> int:
@@ -197,7 +197,14 @@ def layout(shape: Shape) -> tuple[tuple[SectionSpan, ...], int]:
         if sec.needs_logprobs and not shape.has_logprobs:
             continue
         dtype = np.dtype(sec.dtype)
-        count = _count(sec.count, shape)
+        count = _count(sec.count_kind, shape)
         spans.append(SectionSpan(sec.name, dtype, offset, count))
         offset += pad8(count * dtype.itemsize)
     return tuple(spans), offset
+
+
+def field_offset(dtype: np.dtype, name: str) -> int:
+    """Byte offset of one field of a structured dtype (HEADER_DTYPE, RING_DTYPE)."""
+    fields = dtype.fields
+    assert fields is not None, f"{dtype} is not a structured dtype"
+    return int(fields[name][1])

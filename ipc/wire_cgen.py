@@ -28,13 +28,13 @@ def _struct(name: str, dtype: np.dtype, fields: tuple[tuple[str, str], ...]) -> 
     lines = [f"struct {name} {{"]
     lines += [f"  {_ctype(t)} {n};" for n, t in fields]
     lines += ["};", f"static_assert(sizeof({name}) == {dtype.itemsize}, \"{name} size\");"]
-    lines += [f"static_assert(offsetof({name}, {n}) == {dtype.fields[n][1]}, \"{name}.{n}\");"
+    lines += [f"static_assert(offsetof({name}, {n}) == {wire.field_offset(dtype, n)}, \"{name}.{n}\");"
               for n, _ in fields]
     return lines
 
 
 def _enum(cls: type[enum.IntEnum] | type[enum.IntFlag], prefix: str) -> list[str]:
-    return [f"constexpr int k{prefix}{m.name.title().replace('_', '')} = {int(m.value)};"
+    return [f"constexpr int k{prefix}{str(m.name).title().replace('_', '')} = {int(m.value)};"
             for m in cls]
 
 
@@ -56,7 +56,7 @@ def _sections() -> list[str]:
              "constexpr SectionSpec kSections[kNumSections] = {"]
     for s in wire.SECTIONS:
         size = np.dtype(s.dtype).itemsize
-        lines.append(f"    {{\"{s.name}\", {size}, {int(s.count)}, "
+        lines.append(f"    {{\"{s.name}\", {size}, {int(s.count_kind)}, "
                      f"{'true' if s.needs_logprobs else 'false'}}},")
     lines.append("};")
     lines += [f"constexpr int kSection{s.name.title().replace('_', '')} = {i};"

@@ -15,7 +15,7 @@ from mtpserve.ipc.token_frame import ControlMessage, Frame, TokenFrame
 _FORMAT = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q"}
 HEADER_STRUCT = struct.Struct("<" + "".join(_FORMAT[t.lstrip("<")] for _, t in wire.HEADER_FIELDS))
 FrameHeader = collections.namedtuple("FrameHeader", [n for n, _ in wire.HEADER_FIELDS])
-_CRC_AT = wire.HEADER_DTYPE.fields["header_crc"][1]
+_CRC_AT = wire.field_offset(wire.HEADER_DTYPE, "header_crc")
 _ZERO4 = bytes(4)
 _KINDS = frozenset(int(k) for k in wire.Kind)
 _CONTROL_CODES = frozenset(int(c) for c in wire.ControlCode)
@@ -96,7 +96,7 @@ def _decode_tokens(h: FrameHeader, payload: bytes, vocab_size: int | None) -> To
                        bool(h.flags & _LOGPROBS))
     spans, total = wire.layout(shape)
     _check(total == len(payload), "payload_len", f"{len(payload)} != {total}")
-    v = {s.name: np.frombuffer(payload, s.dtype, s.count, s.offset) for s in spans}
+    v = {s.name: np.frombuffer(payload, s.dtype, s.num_items, s.offset) for s in spans}
     _check_content(h, v, vocab_size)
     lp = shape.has_logprobs
     return TokenFrame(

@@ -26,7 +26,7 @@ def encode_payload(arrays: dict[str, np.ndarray], shape: wire.Shape) -> bytes:
     for s in spans:
         given = arrays.get(s.name)
         data = np.ascontiguousarray([] if given is None else given, dtype=s.dtype).reshape(-1)
-        assert data.size == s.count, (s.name, data.size, s.count)
+        assert data.size == s.num_items, (s.name, data.size, s.num_items)
         out[s.offset:s.offset + data.nbytes] = data.view(np.uint8)
     return out.tobytes()
 
