@@ -25,7 +25,7 @@ class Notifier:
 
     def send(self, *fields: str) -> bool:
         """Send `KEY=VALUE` fields in one datagram; False when not under systemd or the send failed."""
-        if self.sock is None:
+        if self.sock is None or self.address is None:
             return False
         try:
             self.sock.sendto("\n".join(fields).encode(), self.address)

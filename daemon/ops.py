@@ -40,7 +40,7 @@ def registered_op_names() -> frozenset[str]:
 def cpu_op_available(name: str) -> bool:
     """`name` is built into this install and Paddle is a CPU-only build (the CPU kernels of a step,
     docs/architecture.md); registers the library on first use."""
-    if paddle.is_compiled_with_cuda():
+    if paddle.device.is_compiled_with_cuda():
         return False
     try:
         return name in registered_op_names()
@@ -52,7 +52,8 @@ def run_op(name: str, *args):
     """Run a registered custom op by name (inputs first, then attributes, in the op's order)."""
     if name not in registered_op_names():
         raise KeyError(f"op {name!r} is not in the compiled library")
-    return _C_ops._run_custom_op(name, *args)
+    # NOTE: _run_custom_op, Paddle's custom-op entry, is missing from Paddle's stubs.
+    return _C_ops._run_custom_op(name, *args)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _run_one(name: str, *args) -> paddle.Tensor:

@@ -30,8 +30,10 @@ from mtpserve.tokenizer import Tokenizer  # noqa: E402
 
 def heldout_stream(tokenizer: Tokenizer) -> np.ndarray:
     ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    assert isinstance(eos, int), "the tokenizer has no EOS token"
     for name in split_files()[1]:
-        ids += tokenizer.encode(read_text(name), add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids += tokenizer.encode(read_text(name), add_special_tokens=False) + [eos]
     return np.asarray(ids, np.int64)
 
 

@@ -33,6 +33,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 def encode_stream(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     """All files joined by EOS, as one uint16 token stream."""
     eos = tokenizer.token_to_id(EOS)
+    assert eos is not None, f"the tokenizer has no {EOS} token"
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(texts):
         ids.extend(encoding.ids)

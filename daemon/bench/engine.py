@@ -117,6 +117,7 @@ def measure(case: Case) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens, ignore_eos=True)
     counter = 0
     host_s = tokens = 0.0
+    wall0, accepted0, wait0 = time.perf_counter(), _acceptance(core), core.wait_seconds  # reset below
     for step in range(case.warmup_steps + case.measure_steps):
         if step == case.warmup_steps:
             wall0, accepted0 = time.perf_counter(), _acceptance(core)

@@ -32,7 +32,7 @@ def decode_all(model, prompts: list[tuple[int, ...]], k: int, batch: int, max_to
     core = EngineCore(CoreConfig(sched, overlap=True), runner)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     pending = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
-    outs: dict[int, list[int]] = {}
+    outs: dict[int | str, list[int]] = {}
     while pending or core.has_unfinished_requests():
         while pending and core.scheduler.num_unfinished < batch:
             core.add_request(pending.pop(0))

@@ -77,8 +77,9 @@ def _run_round(core: EngineCore, prompts: list, params: SamplingParams, tag: str
 
 def _decode_window(core: EngineCore, batch: int) -> tuple[float, int]:
     """Step until all finish; time and count tokens from when every request has its first token."""
-    started: set[str] = set()
-    begin, tokens = None, 0
+    started: set[int | str] = set()
+    begin: float | None = None
+    tokens = 0
     while core.has_unfinished_requests():
         out = core.step()
         if begin is not None:
@@ -86,6 +87,7 @@ def _decode_window(core: EngineCore, batch: int) -> tuple[float, int]:
         started.update(rid for rid, n in zip(out.request_ids, out.num_tokens) if n)
         if begin is None and len(started) == batch:
             begin = time.perf_counter()
+    assert begin is not None, "some request never produced its first token"
     return time.perf_counter() - begin, tokens
 
 

@@ -13,7 +13,6 @@ Bytes per step are what crosses the queue and the ring (headers included), next 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -160,10 +159,12 @@ def run_pipelined(cell: Cell, steps: int, warmup: int, ring_bytes: int) -> Resul
     child = subprocess.Popen([sys.executable, "-m", "mtpserve.bench.ipc", "--reader-child",
                               ch.address.instance, str(warmup + steps), str(warmup)],
                              stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
     try:
         assert child.stdout.readline().strip() == "ready"
         tensors = _step_tensors(cell.batch, cell.tokens, cell.topk)
         seqs = _seq_tensors(cell.batch, cell.tokens, warmup + steps)
+        cpu_start = time.process_time()
         for i in range(warmup + steps):
             if i == warmup:
                 cpu_start = time.process_time()
@@ -189,8 +190,7 @@ def run_pipelined(cell: Cell, steps: int, warmup: int, ring_bytes: int) -> Resul
 
 def _cells(args: argparse.Namespace) -> list[Cell]:
     modes = [(t, m == "chunked") for t in args.transports for m in args.payload]
-    return [Cell(t, c, b, n, k) for (t, c), b, n, k in
-            itertools.product(modes, args.batches, args.tokens, args.topk)]
+    return [Cell(t, c, b, n, k) for t, c in modes for b in args.batches for n in args.tokens for k in args.topk]
 
 
 def _print(results: list[Result], title: str) -> None:

@@ -99,6 +99,7 @@ def _start_holder(shape: KVShape, args: argparse.Namespace) -> dict:
     spec = json.dumps({"shape": dataclasses.asdict(shape), "protocol": args.protocol, "hostname": args.hostname})
     proc = subprocess.Popen([sys.executable, "-m", "mtpserve.bench.kv", "--holder", spec],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     hello = json.loads(proc.stdout.readline() or "null")
     if hello is None:
         raise RuntimeError(f"KV holder exited with {proc.wait()}")
@@ -139,7 +140,7 @@ def _case(agent, holder: dict, buffers, layout: rc.KVLayout, shape: KVShape, tok
 
     local_blocks, remote_blocks = _blocks(shape, tokens, pattern)
     desc = read_descriptors(layout, local_blocks, holder["layout"], remote_blocks)
-    wall, cpu = [], []
+    wall, cpu, nbytes = [], [], 0
     for _ in range(repeats):
         w, c = time.perf_counter(), time.thread_time()
         nbytes = agent.read(holder["session"], *desc)

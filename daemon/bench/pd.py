@@ -105,6 +105,8 @@ def _first_chunk_time(url: str, body: dict) -> float:
         for line in response:
             if first is None and line.startswith(b"data: "):
                 first = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the decode stage answered without a data event")
     return first
 
 
@@ -128,8 +130,9 @@ class Instances:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> tuple[str, str]:
-        if all(self.urls):
-            return self.urls
+        prefill, decode = self.urls
+        if prefill and decode:
+            return prefill, decode
         urls = []
         for role in ("prefill", "decode"):
             port = _free_port()

@@ -129,8 +129,9 @@ def _lead(model, tp, spec: dict) -> dict:
 
 def _decode_window(core, batch: int) -> tuple[float, int, int]:
     """Step until all finish; seconds, tokens and steps from when every request has its first token."""
-    started: set[str] = set()
-    begin, tokens, steps = None, 0, 0
+    started: set[int | str] = set()
+    begin: float | None = None
+    tokens = steps = 0
     while core.has_unfinished_requests():
         out = core.step()
         if begin is not None:
@@ -138,6 +139,7 @@ def _decode_window(core, batch: int) -> tuple[float, int, int]:
         started.update(rid for rid, n in zip(out.request_ids, out.num_tokens) if n)
         if begin is None and len(started) == batch:
             begin = time.perf_counter()
+    assert begin is not None, "some request never produced its first token"
     return time.perf_counter() - begin, tokens, steps
 
 

@@ -66,11 +66,13 @@ class PagedContext:
         q_pad = self._pad_queries(q).reshape([self.num_seqs, self.max_q, *q.shape[1:]])
         out = masked_attention(q_pad, as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype), self.bias)
         out = out.reshape([-1, *q.shape[1:]])  # [B * max_q, H, D]
-        return out if self.dense else paddle.gather(out, self.token_rows)  # [T, H, D]
+        if self.token_rows is None:  # dense: every request has max_q queries
+            return out
+        return paddle.gather(out, self.token_rows)  # [T, H, D]
 
     def _pad_queries(self, x: paddle.Tensor) -> paddle.Tensor:
         """x: [T, ...] -> [B * max_q, ...], zeros where a request has fewer tokens than max_q."""
-        if self.dense:
+        if self.token_rows is None:
             return x
         buf = paddle.zeros([self.num_seqs * self.max_q, *x.shape[1:]], dtype=x.dtype)
         return paddle.scatter(buf, self.token_rows, x, overwrite=True)

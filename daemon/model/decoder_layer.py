@@ -47,9 +47,10 @@ class FusedColumns:
 
     def _concat(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         weight = paddle.concat([p.weight for p in self.parts], axis=0)  # [sum(out), in]
-        if self.parts[0].bias is None:
+        biases = [p.bias for p in self.parts]
+        if any(b is None for b in biases):  # NOTE: the parts of one group all have a bias, or none does
             return weight, None
-        return weight, paddle.concat([p.bias for p in self.parts], axis=0)
+        return weight, paddle.concat([b for b in biases if b is not None], axis=0)
 
 
 class Attention(nn.Layer):

@@ -40,7 +40,7 @@ def read_draft_vocab(model_dir: str | Path, vocab_size: int) -> np.ndarray | Non
 
 def read_draft_vocab_file(path: str | Path, vocab_size: int) -> np.ndarray:
     """token_ids [N] int64 of a draft vocabulary file, checked against the model's vocabulary."""
-    ids = np.asarray(json.loads(path.read_text()).get("token_ids", []), dtype=np.int64)
+    ids = np.asarray(json.loads(Path(path).read_text()).get("token_ids", []), dtype=np.int64)
     check_token_ids(ids, vocab_size, str(path))
     return ids
 

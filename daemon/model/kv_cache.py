@@ -27,8 +27,9 @@ class KVCache:
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: str = "float32") -> KVCache:
         shape = [(num_blocks + 1) * block_size, num_kv_heads, head_dim]
-        k = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        v = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        kind = getattr(paddle, dtype)  # "float32" -> paddle.float32
+        k = [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
+        v = [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
         return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
 
     @property

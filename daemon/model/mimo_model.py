@@ -65,7 +65,9 @@ class MiMoForCausalLM(nn.Layer):
             group.freeze()
         return self
 
-    def train(self) -> MiMoForCausalLM:
+    def train(self, mode: bool = True) -> MiMoForCausalLM:
+        if not mode:
+            return self.eval()
         super().train()
         for group in self._serving_weights():
             group.thaw()
@@ -84,7 +86,8 @@ class MiMoForCausalLM(nn.Layer):
             self.draft_head.freeze()
 
     def _serving_weights(self) -> list:
-        tables = [_TokenTableOf(layer, self.model.embed_tokens) for layer in self.model.mtp_layers]
+        tables = [_TokenTableOf(layer, self.model.embed_tokens) for layer in self.model.mtp_layers
+                  if isinstance(layer, MTPLayer)]
         return serving_weights(self) + tables + ([self.draft_head] if self.draft_head is not None else [])
 
     @property

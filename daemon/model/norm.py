@@ -23,8 +23,11 @@ class RMSNorm(nn.Layer):
             # NOTE: our kernel (ops_ext/rms_norm.cc), not Paddle's fused CPU one: that is built with
             # AVX-512 instructions whatever the host and dies of SIGILL on AMD EPYC before Zen 4.
             if cpu_op_available("mtp_rms_norm"):
-                return _C_ops._run_custom_op("mtp_rms_norm", x, self.weight, self.eps)[0]
-            if paddle.is_compiled_with_cuda():
+                # NOTE: _run_custom_op, Paddle's custom-op entry, is missing from Paddle's stubs.
+                out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
+                    "mtp_rms_norm", x, self.weight, self.eps)
+                return out[0]
+            if paddle.device.is_compiled_with_cuda():
                 return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
         x32 = x if x.dtype == paddle.float32 else x.astype("float32")
         normed = x32 * paddle.rsqrt((x32 * x32).mean(axis=-1, keepdim=True) + self.eps)

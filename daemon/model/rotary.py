@@ -35,6 +35,7 @@ class RotaryEmbedding:
             cos = paddle.gather(self.cos_table, positions).unsqueeze(1)
             self._last_cos_sin = cos, paddle.gather(self.signed_sin_table, positions).unsqueeze(1)
             self._last_positions = positions
+        assert self._last_cos_sin is not None
         return self._last_cos_sin
 
     @staticmethod

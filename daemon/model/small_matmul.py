@@ -38,4 +38,5 @@ def matmul(x: paddle.Tensor, panels: paddle.Tensor, bias: paddle.Tensor | None =
     """x [M, K] @ the packed weight (+ bias [N]) -> [M, N]. Only after `available()` (it registers the op)."""
     # NOTE: straight to Paddle's custom-op entry: this runs ~30 times per step, and mtpserve.ops.run_op's
     # name check and frame would be a tenth of a small product's time.
-    return _C_ops._run_custom_op("mtp_small_matmul", x, panels, bias)[0]
+    # NOTE: _run_custom_op, Paddle's custom-op entry, is missing from Paddle's stubs.
+    return _C_ops._run_custom_op("mtp_small_matmul", x, panels, bias)[0]  # pyright: ignore[reportAttributeAccessIssue]

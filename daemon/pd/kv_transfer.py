@@ -76,6 +76,7 @@ class KVTransferAgent:
         return agent
 
     def _register(self, addr: int, length: int) -> None:
+        assert self._engine is not None, "registering into a closed agent"
         if self._engine.register_memory(addr, length) != 0:
             self.close()
             raise KVTransferError(f"Mooncake register_memory failed for {length} bytes at {addr:#x}")
