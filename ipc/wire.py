@@ -207,4 +207,4 @@ def field_offset(dtype: np.dtype, name: str) -> int:
     """Byte offset of one field of a structured dtype (HEADER_DTYPE, RING_DTYPE)."""
     fields = dtype.fields
     assert fields is not None, f"{dtype} is not a structured dtype"
-    return int(fields[name][1])
+    return int(next(value for key, value in fields.items() if key == name)[1])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import zlib
 
 import numpy as np
@@ -20,7 +22,8 @@ def encode_header(**fields: int) -> bytes:
     return HEADER_STRUCT.pack(*(values[n] for n, _ in wire.HEADER_FIELDS))
 
 
-def encode_payload(arrays: dict[str, np.ndarray], shape: wire.Shape) -> bytes:
+def encode_payload(arrays: Mapping[str, np.ndarray | None], shape: wire.Shape) -> bytes:
+    """`arrays` by section name; a section the shape has no room for may be None."""
     spans, total = wire.layout(shape)
     out = np.zeros(total, np.uint8)
     for s in spans:
@@ -36,7 +39,7 @@ def encode_token_frame(kind: wire.Kind, *, req_ids, seq, num_tokens, finish, tok
                        step_id: int = 0, frame_seq: int = 0, instance_tag: int = 0) -> bytes:
     """One unchunked token frame (header + payload). topk_ids/topk_logprobs: [N, K]."""
     lp = logprob is not None and int(np.sum(num_tokens)) > 0  # no tokens: no logprob sections
-    k = int(np.shape(topk_ids)[1]) if lp else 0
+    k = int(np.shape(topk_ids)[1]) if lp and topk_ids is not None else 0
     d = int(np.shape(draft_ids)[1]) if draft_ids is not None else 0
     shape = wire.Shape(len(req_ids), int(np.sum(num_tokens)), k, d, lp)
     arrays = dict(req_ids=req_ids, seq=seq, num_tokens=num_tokens, finish=finish,

@@ -7,12 +7,12 @@ from hypothesis import strategies as st
 from mtpserve.ipc import wire
 from mtpserve.ipc.frame_assembler import FrameAssembler
 from mtpserve.ipc.wire_encode import encode_token_frame
-from wire_strategies import assert_frame_matches, make_step
+from wire_strategies import RandomStep, assert_frame_matches, make_step
 
 TAG = 77
 
 
-def frame(seq: int, seed: int = 0) -> tuple[bytes, object]:
+def frame(seq: int, seed: int = 0) -> tuple[bytes, RandomStep]:
     step = make_step(seed, 5, 3, 4, True)
     data = encode_token_frame(wire.Kind.TARGET, req_ids=step.req_ids, seq=step.seq,
                               num_tokens=step.num_tokens, finish=step.finish,

@@ -10,7 +10,7 @@ import pytest
 from mtpserve.ipc import sysv, wire
 from mtpserve.ipc.output_reader import EngineDead, OutputReader
 from mtpserve.ipc.wire_encode import encode_control, encode_token_frame
-from wire_strategies import assert_frame_matches, make_step
+from wire_strategies import assert_frame_matches, control, make_step
 
 TRANSPORTS = ["posix", "sysv"]
 
@@ -70,7 +70,7 @@ async def test_control_frames_are_delivered(make_channel, transport):
     await reader.start()
     Injector(ch).send(encode_control(wire.ControlCode.ENGINE_STOP, "bye",
                                      instance_tag=ch.address.instance_tag))
-    got = await asyncio.wait_for(reader.get(), 2)
+    got = control(await asyncio.wait_for(reader.get(), 2))
     assert got.code is wire.ControlCode.ENGINE_STOP and got.message == "bye"
     await reader.close()
 
@@ -99,6 +99,6 @@ async def test_the_sysv_reader_thread_leaves_the_loop_free(make_channel):
     for _ in range(20):
         await asyncio.sleep(0.001)
         ticks += 1
-    assert ticks == 20 and reader._thread.is_alive()
+    assert ticks == 20 and reader._thread is not None and reader._thread.is_alive()
     await reader.close()
     assert reader._thread is None

@@ -25,7 +25,8 @@ def test_check_mode_fails_on_a_changed_constant(monkeypatch):
 
 def test_python_struct_and_numpy_dtype_agree():
     assert HEADER_STRUCT.size == wire.HEADER_SIZE == wire.HEADER_DTYPE.itemsize == 64
-    assert wire.field_offset(wire.RING_DTYPE, "write_pos") == 64 and wire.field_offset(wire.RING_DTYPE, "read_pos") == 128
+    assert wire.field_offset(wire.RING_DTYPE, "write_pos") == 64
+    assert wire.field_offset(wire.RING_DTYPE, "read_pos") == 128
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from mtpserve.ipc import wire
 from mtpserve.ipc.wire_decode import WireError, decode_header, decode_payload
 from mtpserve.ipc.wire_encode import encode_control, encode_header, encode_token_frame
-from wire_strategies import RandomStep, assert_frame_matches, make_step, steps
+from mtpserve.ipc.token_frame import Frame
+from wire_strategies import RandomStep, assert_frame_matches, control, make_step, steps, token_frame
 
 
 def encode(step: RandomStep, **kw) -> bytes:
@@ -20,7 +21,7 @@ def encode(step: RandomStep, **kw) -> bytes:
                               topk_ids=step.topk_ids, topk_logprobs=step.topk_logprobs, **kw)
 
 
-def decode(frame: bytes):
+def decode(frame: bytes) -> Frame:
     h = decode_header(frame)
     return decode_payload(h, frame[wire.HEADER_SIZE:])
 
@@ -28,7 +29,7 @@ def decode(frame: bytes):
 @settings(max_examples=60, deadline=None)
 @given(steps())
 def test_round_trip_is_bit_exact(step):
-    frame = decode(encode(step, step_id=9, frame_seq=4))
+    frame = token_frame(decode(encode(step, step_id=9, frame_seq=4)))
     assert (frame.kind, frame.step_id, frame.frame_seq) == (wire.Kind.TARGET, 9, 4)
     assert_frame_matches(frame, step)
 
@@ -41,15 +42,15 @@ def test_only_the_real_width_travels():
 
 def test_requests_split_by_batch_conversion():
     step = make_step(3, 4, 3, 2, True)
-    reqs = decode(encode(step)).requests()
+    reqs = token_frame(decode(encode(step))).requests()
     cu = np.concatenate([[0], np.cumsum(step.num_tokens)])
     assert [r.req_id for r in reqs] == step.req_ids.tolist()
     assert reqs[2].token_ids == step.token_ids[cu[2]:cu[3]].tolist()
-    assert reqs[2].top_ids == step.topk_ids[cu[2]:cu[3]].tolist()
+    assert step.topk_ids is not None and reqs[2].top_ids == step.topk_ids[cu[2]:cu[3]].tolist()
 
 
 def test_control_round_trip():
-    frame = decode(encode_control(wire.ControlCode.ENGINE_ERROR, "out of KV blocks", step_id=3))
+    frame = control(decode(encode_control(wire.ControlCode.ENGINE_ERROR, "out of KV blocks", step_id=3)))
     assert frame.code is wire.ControlCode.ENGINE_ERROR and frame.message == "out of KV blocks"
 
 

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
+from mtpserve.ipc.token_frame import ControlMessage, Frame, TokenFrame
+
 VOCAB = 50_000
 
 
@@ -51,13 +53,40 @@ def steps(draw, max_reqs: int = 256, max_tokens: int = 9, max_topk: int = 20) ->
                      draw(st.booleans()))
 
 
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+class LogprobColumns(NamedTuple):
+    logprob: np.ndarray  # [N] float32
+    rank: np.ndarray  # [N] int64
+    topk_ids: np.ndarray  # [N, K] int64
+    topk_logprobs: np.ndarray  # [N, K] float32
+
+
+def lp_cols(step: RandomStep) -> LogprobColumns:
+    """The logprob columns of a step made with logprobs (they exist together or not at all)."""
+    assert step.logprob is not None and step.rank is not None
+    assert step.topk_ids is not None and step.topk_logprobs is not None
+    return LogprobColumns(step.logprob, step.rank, step.topk_ids, step.topk_logprobs)
+
+
+def token_frame(frame: Frame) -> TokenFrame:
+    assert isinstance(frame, TokenFrame), f"expected a token frame, got {frame!r}"
+    return frame
+
+
+def control(frame: Frame) -> ControlMessage:
+    assert isinstance(frame, ControlMessage), f"expected a control message, got {frame!r}"
+    return frame
+
+
+def same_bits(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     """Bit-exact equality (floats compared as their bytes, so -0.0 and NaN payloads count)."""
+    if a is None or b is None:
+        return a is b
     return a.shape == b.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 
 
-def assert_frame_matches(frame, step: RandomStep) -> None:
+def assert_frame_matches(frame: Frame, step: RandomStep) -> None:
     """The decoded frame carries exactly the step, in wire dtypes."""
+    frame = token_frame(frame)
     assert same_bits(frame.req_ids, step.req_ids)
     assert same_bits(frame.seq, step.seq.astype(np.uint32))
     assert same_bits(frame.num_tokens, step.num_tokens)
@@ -67,6 +96,7 @@ def assert_frame_matches(frame, step: RandomStep) -> None:
         assert frame.logprob is None and frame.topk_ids is None
         return
     assert same_bits(frame.logprob, step.logprob)
+    assert step.rank is not None and step.topk_ids is not None
     assert same_bits(frame.rank, step.rank.astype(np.int32))
     assert same_bits(frame.topk_ids, step.topk_ids.astype(np.int32))
     assert same_bits(frame.topk_logprobs, step.topk_logprobs)

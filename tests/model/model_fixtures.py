@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 
 import numpy as np
@@ -11,7 +13,7 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.mimo_model import MiMoForCausalLM
 
-TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+TINY: dict[str, Any] = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
             num_nextn_predict_layers=2, architecture="MiMoForCausalLM")
 

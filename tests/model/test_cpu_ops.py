@@ -25,6 +25,7 @@ def test_small_matmul_matches_numpy(rows, k):
     bias = gen.standard_normal(96).astype(np.float32)
     x = gen.standard_normal((rows, k)).astype(np.float32)
     panels = small_matmul.pack(paddle.to_tensor(weight_t))
+    assert panels is not None, "the op serves this weight"
     assert panels.shape == [96 // small_matmul.PANEL, k, small_matmul.PANEL]
     got = small_matmul.matmul(paddle.to_tensor(x), panels, paddle.to_tensor(bias)).numpy()
     np.testing.assert_allclose(got, x @ weight_t + bias, rtol=1e-4, atol=1e-4)
@@ -35,6 +36,7 @@ def test_small_matmul_matches_numpy(rows, k):
 def test_a_rows_result_does_not_depend_on_its_neighbours():
     gen = np.random.default_rng(7)
     panels = small_matmul.pack(paddle.to_tensor(gen.standard_normal((256, 512)).astype(np.float32)))
+    assert panels is not None
     x = gen.standard_normal((4, 256)).astype(np.float32)
     together = small_matmul.matmul(paddle.to_tensor(x), panels).numpy()
     for r in range(4):
@@ -47,7 +49,9 @@ def test_small_matmul_reads_a_strided_input():
     weight_t = gen.standard_normal((64, 32)).astype(np.float32)
     wide = paddle.to_tensor(gen.standard_normal((64, 3)).astype(np.float32))
     x = wide.t()  # [3, 64], possibly a strided view
-    got = small_matmul.matmul(x, small_matmul.pack(paddle.to_tensor(weight_t))).numpy()
+    panels = small_matmul.pack(paddle.to_tensor(weight_t))
+    assert panels is not None
+    got = small_matmul.matmul(x, panels).numpy()
     np.testing.assert_allclose(got, x.numpy() @ weight_t, rtol=1e-4, atol=1e-4)
 
 

@@ -98,6 +98,7 @@ def test_draft_vocab_file_is_optional_and_checked(tmp_path):
     ids = subset(12)
     (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids.tolist()}))
     loaded = load_model(tmp_path)
+    assert loaded.draft_head is not None
     np.testing.assert_array_equal(loaded.draft_head.ids.numpy(), ids)
     assert load_model(tmp_path, draft_vocab=False).draft_head is None
     for bad in ([VOCAB], [-1, 2], [3, 3], []):
@@ -110,5 +111,5 @@ def test_draft_vocab_file_is_optional_and_checked(tmp_path):
 def test_bundled_draft_vocab_is_valid_and_keeps_eos():
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     ids = read_draft_vocab(DEFAULT_MODEL_DIR, config["vocab_size"])
-    assert 0 < ids.size < config["vocab_size"]
+    assert ids is not None and 0 < ids.size < config["vocab_size"]
     assert config["eos_token_id"] in ids.tolist()

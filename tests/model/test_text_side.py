@@ -46,6 +46,7 @@ def test_tokenizer_larger_than_model_vocab_is_refused(model_dir):
 
 def test_chat_template_renders_from_tokenizer_config(model_dir):
     template = ChatTemplate.from_model_dir(model_dir)
+    assert template is not None
     text = template.render([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 

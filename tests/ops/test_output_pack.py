@@ -9,21 +9,21 @@ from hypothesis import given, settings
 from mtpserve import ops
 from mtpserve.ipc import wire
 from mtpserve.ipc.wire_encode import encode_token_frame
-from wire_strategies import VOCAB, RandomStep, make_step, steps
+from wire_strategies import VOCAB, RandomStep, lp_cols, make_step, steps
 
 
 def tensor(a, dtype=None):
     return paddle.to_tensor(a if dtype is None else a.astype(dtype))
 
 
-def logprobs_of(step: RandomStep, int_dtype=np.int64) -> ops.StepLogprobs | None:
+def logprobs_of(step: RandomStep, int_dtype: type[np.signedinteger] = np.int64) -> ops.StepLogprobs | None:
     if step.logprob is None:
         return None
     return ops.StepLogprobs(tensor(step.logprob), tensor(step.rank, int_dtype),
                             tensor(step.topk_ids, int_dtype), tensor(step.topk_logprobs))
 
 
-def pack(step: RandomStep, int_dtype=np.int64, **kw) -> bytes:
+def pack(step: RandomStep, int_dtype: type[np.signedinteger] = np.int64, **kw) -> bytes:
     frame = ops.pack_frame(kind=kw.pop("kind", wire.Kind.TARGET), step_id=kw.pop("step_id", 3),
                            req_ids=tensor(step.req_ids), seq=tensor(step.seq, int_dtype),
                            num_tokens=tensor(step.num_tokens, int_dtype),
@@ -66,8 +66,9 @@ def padded(step: RandomStep, width: int, slots: np.ndarray) -> dict:
     tlp = np.zeros((b_in, width, k), np.float32)
     for i, v in enumerate(valid):
         n, s = step.num_tokens[i], slice(cu[i], cu[i + 1])
-        rows[v, :n], lp[v, :n], rk[v, :n] = step.token_ids[s], step.logprob[s], step.rank[s]
-        tid[v, :n, :step.num_topk], tlp[v, :n, :step.num_topk] = step.topk_ids[s], step.topk_logprobs[s]
+        cols = lp_cols(step)
+        rows[v, :n], lp[v, :n], rk[v, :n] = step.token_ids[s], cols.logprob[s], cols.rank[s]
+        tid[v, :n, :step.num_topk], tlp[v, :n, :step.num_topk] = cols.topk_ids[s], cols.topk_logprobs[s]
 
     def spread(a, fill):
         out = np.full(b_in, fill, a.dtype)
@@ -119,6 +120,8 @@ def test_top_k_wider_than_twenty_is_refused():
 
 def test_logprob_tensors_go_together():
     step = make_step(1, 3, 2, 2, True)
-    lp = logprobs_of(step)._replace(rank=None)
+    full = logprobs_of(step)
+    assert full is not None
+    lp = full._replace(rank=None)
     with pytest.raises(OSError, match="together"):
         pack(step, logprobs=lp)

@@ -14,7 +14,7 @@ from mtpserve.ipc import wire
 from mtpserve.ipc.output_reader import OutputReader
 from mtpserve.ipc.polling_reader import PollingReader
 from test_output_pack import logprobs_of, tensor
-from wire_strategies import RandomStep, assert_frame_matches, make_step, steps, VOCAB
+from wire_strategies import VOCAB, RandomStep, assert_frame_matches, control, lp_cols, make_step, steps, token_frame
 
 
 def send(sender: ops.OutputSender, step: RandomStep, step_id: int = 0) -> ops.SendStatus:
@@ -118,9 +118,10 @@ def test_first_token_frames_carry_drafts_and_logprobs(open_channel):
     sender.send_first_token(step_id=1, req_ids=tensor(step.req_ids), seq=tensor(step.seq * 0),
                             finish=tensor(step.finish * 0), token_ids=tensor(step.token_ids),
                             logprobs=logprobs_of(step), num_topk=5, draft_ids=tensor(drafts))
-    (frame,) = reader.poll()
+    frame = token_frame(reader.poll()[0])
     assert frame.kind is wire.Kind.FIRST_TOKEN and (frame.num_tokens == 1).all()
-    assert np.array_equal(frame.draft_ids, drafts) and np.array_equal(frame.topk_ids, step.topk_ids)
+    assert frame.draft_ids is not None and frame.topk_ids is not None
+    assert np.array_equal(frame.draft_ids, drafts) and np.array_equal(frame.topk_ids, lp_cols(step).topk_ids)
     reader.close()
 
 
@@ -130,7 +131,8 @@ def test_control_frames_go_through_the_same_channel(open_channel):
     send(sender, make_step(0, 2, 1, 0, False)._replace(seq=np.zeros(2, np.int64)))
     sender.send_control(wire.ControlCode.ENGINE_ERROR, "device lost", step_id=4)
     frames = reader.poll()
-    assert frames[1].code is wire.ControlCode.ENGINE_ERROR and frames[1].message == "device lost"
+    error = control(frames[1])
+    assert error.code is wire.ControlCode.ENGINE_ERROR and error.message == "device lost"
     reader.close()
 
 
@@ -191,11 +193,11 @@ def test_numpy_inputs_and_padded_top_k_ids_pass(open_channel):
     ch, sender = open_channel("posix")
     reader = PollingReader(ch)
     step = make_step(2, 6, 3, 4, True)
-    step = step._replace(topk_ids=np.where(np.arange(4) < 2, step.topk_ids, -1))
+    step = step._replace(topk_ids=np.where(np.arange(4) < 2, lp_cols(step).topk_ids, -1))
+    cols = lp_cols(step)
     sender.send_step(step_id=0, req_ids=step.req_ids, seq=step.seq, num_tokens=step.num_tokens,
                      finish=step.finish, token_ids=step.token_ids, num_topk=4,
-                     logprobs=ops.StepLogprobs(step.logprob, step.rank, step.topk_ids,
-                                               step.topk_logprobs))
+                     logprobs=ops.StepLogprobs(cols.logprob, cols.rank, cols.topk_ids, cols.topk_logprobs))
     (frame,) = reader.poll()
     assert_frame_matches(frame, step)
     reader.close()
@@ -213,7 +215,7 @@ async def test_a_slow_consumer_pushes_back_to_the_engine(open_channel, transport
     for i, step in enumerate(sent):
         status = send(sender, step, i)
         await asyncio.sleep(0.002)  # the reader runs, but nobody calls get()
-    assert status.frames_pending > 0
+    assert status is not None and status.frames_pending > 0
     got = []
     while len(got) < len(sent):
         got.append(await asyncio.wait_for(reader.get(), 2))
@@ -237,6 +239,7 @@ def test_frames_of_mixed_sizes_wrap_a_small_ring_in_order(open_channel, plan):
         status = send(sender, sent[-1], i)
         if read_now:
             got += reader.poll()
+    assert status is not None
     got += deliver(sender, reader, status)
     assert [f.step_id for f in got] == list(range(len(plan)))
     for frame, step in zip(got, sent):
@@ -298,10 +301,9 @@ def test_draft_frames_carry_draft_logprobs_and_leave_the_seq_count_alone(open_ch
     send(sender, target, 0)
     sender.send_step(step_id=0, req_ids=draft.req_ids, seq=draft.seq, num_tokens=draft.num_tokens,
                      finish=draft.finish * 0, token_ids=draft.token_ids, num_topk=3,
-                     logprobs=ops.StepLogprobs(draft.logprob, draft.rank, draft.topk_ids,
-                                               draft.topk_logprobs), kind=wire.Kind.DRAFT)
-    frames = reader.poll()
+                     logprobs=ops.StepLogprobs(*lp_cols(draft)), kind=wire.Kind.DRAFT)
+    frames = [token_frame(f) for f in reader.poll()]
     assert [f.kind for f in frames] == [wire.Kind.TARGET, wire.Kind.DRAFT]
     assert_frame_matches(frames[1], draft._replace(finish=draft.finish * 0))
-    assert reader.stats.seq_errors == 0 and len(reader.tracker) == 8
+    assert reader.stats.seq_errors == 0 and reader.tracker is not None and len(reader.tracker) == 8
     reader.close()

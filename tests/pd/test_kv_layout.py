@@ -174,7 +174,9 @@ def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
                             num_speculative_tokens=2, num_blocks=32, block_size=8)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=4, num_blocks=32, block_size=8,
                                                         num_speculative_tokens=2))
-    buffers = kv_buffers(runner.kv, runner.proposer.kv)
+    proposer = runner.proposer
+    assert proposer is not None
+    buffers = kv_buffers(runner.kv, proposer.kv)
     before = layout_of(buffers, 8)
     core = EngineCore(CoreConfig(sched), runner)
     for i in range(3):
@@ -183,6 +185,6 @@ def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
         core.step()
     core.close()
     assert len(buffers) == 2 * 2 + 2 * 2
-    assert layout_of(kv_buffers(runner.kv, runner.proposer.kv), 8) == before
+    assert layout_of(kv_buffers(runner.kv, proposer.kv), 8) == before
     assert before.buffer_addrs == [t.data_ptr() for t in buffers]
     assert all(np.abs(t.numpy()[:-8]).sum() > 0 for t in buffers)  # every buffer was written (not scratch)

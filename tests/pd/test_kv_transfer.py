@@ -41,6 +41,7 @@ def start_peer(spec: PeerSpec) -> Peer:
     env = {**os.environ, **mooncake_environment()}
     proc = subprocess.Popen([sys.executable, str(PEER), msgspec.json.encode(spec).decode()], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
         proc.kill()

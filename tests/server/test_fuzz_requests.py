@@ -55,7 +55,8 @@ async def test_no_body_gets_a_server_error(fake_server, session, path):
     base_url, _ = fake_server
     bodies = []
 
-    @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[h for h in HealthCheck if isinstance(h, HealthCheck)])
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=[h for h in HealthCheck if isinstance(h, HealthCheck)])
     @given(body_strategy(path))
     def collect(body):
         if path.endswith("chat/completions"):
