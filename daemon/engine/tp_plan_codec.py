@@ -6,6 +6,9 @@ sends only what changed since the previous step.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import msgspec
 import numpy as np
 
@@ -27,27 +30,15 @@ class WireArray(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.data, np.dtype(self.dtype)).reshape(self.shape).copy()
 
 
-class WireScalars(msgspec.Struct, array_like=True, frozen=True):
-    """Every SlotInsert field that is a plain number, with its type (a missing one fails decoding)."""
-
-    slot: int
-    key: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence: float
-    frequency: float
-    repetition: float
-    max_tokens: int
-    min_tokens: int
-    num_logprobs: int
-    seq_len: int
-    last_token: int
+# NOTE: the plain-number fields of SlotInsert travel by name; decoding restores each one's declared type
+# (int or float) from SlotInsert itself, so the wire form cannot drift from it.
+_SLOT_TYPES: dict[str, type] = typing.get_type_hints(SlotInsert)
+_INSERT_ARRAYS = ("prompt_ids", "output_ids", "stop_ids", "drafts")
+_SCALARS = tuple(f.name for f in dataclasses.fields(SlotInsert) if f.name not in _INSERT_ARRAYS)
 
 
 class WireInsert(msgspec.Struct, array_like=True, frozen=True):
-    scalars: WireScalars
+    scalars: dict[str, int | float]  # every SlotInsert field that is a plain number
     prompt_ids: WireArray
     output_ids: WireArray
     stop_ids: tuple[int, ...]
@@ -82,7 +73,7 @@ def decode_plan(data: bytes | memoryview) -> StepPlan:
 
 
 def _wire_insert(ins: SlotInsert) -> WireInsert:
-    scalars = WireScalars(**{name: getattr(ins, name) for name in WireScalars.__struct_fields__})
+    scalars = {name: getattr(ins, name) for name in _SCALARS}
     drafts = None if ins.drafts is None else WireArray.of(ins.drafts)
     return WireInsert(scalars, WireArray.of(ins.prompt_ids), WireArray.of(ins.output_ids),
                       tuple(ins.stop_ids), drafts)
@@ -91,4 +82,10 @@ def _wire_insert(ins: SlotInsert) -> WireInsert:
 def _slot_insert(wire: WireInsert) -> SlotInsert:
     return SlotInsert(prompt_ids=wire.prompt_ids.array(), output_ids=wire.output_ids.array(),
                       stop_ids=wire.stop_ids, drafts=None if wire.drafts is None else wire.drafts.array(),
-                      **msgspec.structs.asdict(wire.scalars))
+                      **_typed_scalars(wire.scalars))
+
+
+def _typed_scalars(scalars: dict[str, int | float]) -> dict[str, typing.Any]:
+    if set(scalars) != set(_SCALARS):
+        raise ValueError(f"plan insert scalars {sorted(scalars)} are not SlotInsert's {sorted(_SCALARS)}")
+    return {name: _SLOT_TYPES[name](value) for name, value in scalars.items()}
