@@ -22,6 +22,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
+from mtpserve import log
 from mtpserve.config import Config
 from mtpserve.instance import model_dir
 from mtpserve.server.app import OpenOutput, make_app
@@ -75,10 +76,6 @@ async def _wait_idle(tracker: Tracker, timeout_s: float) -> None:
 
 
 def _configure_logging(config: Config) -> None:
-    try:
-        from mtpserve import log
-    except ImportError:  # NOTE: the lead's logging module; plain structlog defaults without it
-        return
     log.configure(config.logging.level, config.logging.format, process="http")
 
 
