@@ -10,7 +10,6 @@ from mtpserve import log
 from mtpserve.config import Config
 from mtpserve.engine.engine_core import EngineCore
 from mtpserve.engine.engine_factory import build_model_engine, core_config, runner_config
-from mtpserve.engine.kv_mooncake import build_connector
 from mtpserve.engine.model_runner import PaddleModelRunner
 from mtpserve.engine.rank_loop import RankLoop
 from mtpserve.engine.request import EngineRequest
@@ -81,6 +80,8 @@ def build_core(model: MiMoForCausalLM, config: Config, tp: TensorParallel, chann
         return build_leader_engine(model, PlanChannel(tp), config.engine, config.speculative)
     if config.pd.role == "mixed":
         return build_model_engine(model, config.engine, config.speculative)
+    from mtpserve.engine.kv_mooncake import build_connector  # NOTE: the mixed role loads no PD code
+
     cfg = runner_config(model, config.engine, config.speculative)
     runner = PaddleModelRunner(model, cfg)
     connector = build_connector(config.pd, runner, cfg.block_size, channel, wake.set)
