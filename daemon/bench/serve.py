@@ -44,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: burst")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="ask for the sampled token's logprob and this many top logprobs per token")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent before each level, not measured")
@@ -92,7 +94,7 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 def _config(args: argparse.Namespace) -> dict:
     keep = ("endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio", "concurrency",
-            "request_rate", "temperature", "no_ignore_eos", "seed")
+            "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -181,7 +183,11 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": not args.no_ignore_eos}
     if args.endpoint == "chat":
+        if args.logprobs is not None:
+            body |= {"logprobs": True, "top_logprobs": args.logprobs}
         return {**body, "messages": [{"role": "user", "content": prompt}]}
+    if args.logprobs is not None:
+        body["logprobs"] = args.logprobs
     return {**body, "prompt": prompt}
 
 
