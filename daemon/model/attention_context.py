@@ -9,10 +9,20 @@ from __future__ import annotations
 from typing import Protocol
 
 import paddle
+from paddle import _C_ops
 
 from mtpserve.model.attention_core import mask_to_bias, masked_attention
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache, as_dtype
+from mtpserve.ops import cpu_op_available
+
+
+PAGED_OP = "mtp_paged_attention"
+
+
+def paged_op_serves(kv: KVCache) -> bool:
+    """The in-place CPU kernel is built, Paddle runs on the CPU, and the cache is float32."""
+    return kv.k[0].dtype == paddle.float32 and cpu_op_available(PAGED_OP) if kv.k else False
 
 
 class AttentionContext(Protocol):
@@ -47,11 +57,16 @@ class PagedContext:
 
     def __init__(self, batch: ForwardBatch, kv: KVCache):
         self.kv = kv
+        self.batch = batch
+        self.write_slots = _safe_slots(batch.slot_mapping.astype("int64"), kv.scratch_slot)  # [T]
+        # NOTE: CPU hosts read the cache in place (ops_ext/paged_attention.cc); nothing below is needed.
+        self.in_place = paged_op_serves(kv)
+        if self.in_place:
+            return
         self.num_seqs, self.max_q = batch.num_seqs, batch.max_q_len
         # NOTE: host ints: when every request has max_q tokens (uniform decode/verify windows), the
         # padded query buffer is the flat token order itself and padding/unpadding can be skipped.
         self.dense = batch.num_tokens == self.num_seqs * self.max_q
-        self.write_slots = _safe_slots(batch.slot_mapping.astype("int64"), kv.scratch_slot)  # [T]
         self.token_rows = None if self.dense else _token_rows(batch.cu_seqlens_q.astype("int64"),
                                                               batch.num_tokens, self.max_q)
         kv_slots = _kv_slots(batch.block_tables.astype("int64"), kv.block_size, kv.scratch_slot)
@@ -62,6 +77,12 @@ class PagedContext:
 
     def attend(self, layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
         self.kv.write(layer, self.write_slots, k, v)
+        if self.in_place:
+            b = self.batch
+            out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
+                PAGED_OP, as_dtype(q, paddle.float32), self.kv.k[layer], self.kv.v[layer], b.block_tables,
+                b.cu_seqlens_q, b.seq_lens_kv, b.positions, self.kv.block_size)
+            return as_dtype(out[0], q.dtype)  # [T, H, D]
         k_all, v_all = self.kv.gather(layer, self.kv_slots, self.key_shape)  # [B, K, KVH, D]
         q_pad = self._pad_queries(q).reshape([self.num_seqs, self.max_q, *q.shape[1:]])
         out = masked_attention(q_pad, as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype), self.bias)

@@ -1,0 +1,168 @@
+// mtp_paged_attention: grouped-query attention of each request's new tokens over its KV cache, read in
+// place through the block table, on CPU hosts. One op for decode rows, verify windows and prefill chunks.
+//
+// WHY: the Paddle-op version gathers every request's keys and values into padded [B, K, KVH, D] copies
+// and adds a [B, Q, K] mask, per layer; at 600 tokens of context that was three quarters of a rank's
+// time. Here each key and value row is read once from the cache per (request, KV head), and a query
+// only looks at the keys it may see.
+//
+// Inputs (T new tokens of B requests, the cache holds S rows of KVH heads of D floats):
+//   q            [T, H, D] float32
+//   k_cache      [S, KVH, D] float32, v_cache the same
+//   block_tables [B, M] int32: cache blocks of each request; an entry < 0 reads the scratch block
+//   cu_seqlens_q [B+1] int32: request b owns tokens cu[b] .. cu[b+1]-1
+//   seq_lens_kv  [B] int32: keys 0 .. seq_lens_kv[b]-1 hold KV (this step's tokens included)
+//   positions    [T] int64: a token at position p sees keys 0 .. p (and only those with KV)
+// Output: [T, H, D] float32; query head h reads KV head h / (H / KVH). Rows that see no key are 0.
+//
+// Python wrapper: mtpserve.model.attention_context.PagedContext (CPU hosts).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+struct Cache {
+  const float* k;
+  const float* v;
+  int64_t rows;      // S
+  int64_t kv_heads;  // KVH
+  int64_t dim;       // D
+  int64_t block_size;
+  int64_t scratch_block;  // the last block: what entries < 0 read
+};
+
+// The cache row of key j of a request whose block table row is `table` (M entries).
+inline int64_t KeyRow(const int32_t* table, int64_t j, const Cache& c) {
+  int64_t block = table[j / c.block_size];
+  if (block < 0) block = c.scratch_block;
+  return block * c.block_size + j % c.block_size;
+}
+
+// One request and one KV head: the `group` query heads of its `nq` tokens.
+void AttendGroup(const float* q, float* out, const int64_t* positions, int64_t nq, int64_t heads,
+                 int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c,
+                 std::vector<float>& scores) {
+  const int64_t d = c.dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  int64_t max_seen = 0;
+  for (int64_t t = 0; t < nq; ++t) max_seen = std::max(max_seen, std::min(num_keys, positions[t] + 1));
+  const int64_t rows = nq * group;
+  scores.assign(static_cast<size_t>(rows * max_seen), 0.0f);
+  // 1. scores: each key row is read once and dotted with every query row that may see it
+  for (int64_t j = 0; j < max_seen; ++j) {
+    const float* kj = c.k + (KeyRow(table, j, c) * c.kv_heads + kvh) * d;
+    for (int64_t t = 0; t < nq; ++t) {
+      if (j > positions[t]) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qr = q + (t * heads + kvh * group + g) * d;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < d; ++i) dot += qr[i] * kj[i];
+        scores[(t * group + g) * max_seen + j] = dot * scale;
+      }
+    }
+  }
+  // 2. softmax per query row over its visible keys, 3. the weighted sum of value rows
+  std::vector<float> acc(static_cast<size_t>(rows * d), 0.0f);
+  std::vector<int64_t> seen(static_cast<size_t>(nq));
+  for (int64_t t = 0; t < nq; ++t) seen[t] = std::min(num_keys, positions[t] + 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * max_seen;
+    const int64_t n = seen[r / group];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = n > 0 ? 1.0f / sum : 0.0f;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
+  for (int64_t j = 0; j < max_seen; ++j) {
+    const float* vj = c.v + (KeyRow(table, j, c) * c.kv_heads + kvh) * d;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j >= seen[r / group]) continue;
+      const float w = scores[r * max_seen + j];
+      float* a = acc.data() + r * d;
+      for (int64_t i = 0; i < d; ++i) a[i] += w * vj[i];
+    }
+  }
+  for (int64_t t = 0; t < nq; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      std::copy_n(acc.data() + (t * group + g) * d, d, out + (t * heads + kvh * group + g) * d);
+}
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
+                                           const paddle::Tensor& positions, int block_size) {
+  PD_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "mtp_paged_attention runs on CPU tensors");
+  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
+               v_cache.dtype() == paddle::DataType::FLOAT32, "mtp_paged_attention takes float32");
+  PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && cu_seqlens_q.dtype() == paddle::DataType::INT32 &&
+               seq_lens_kv.dtype() == paddle::DataType::INT32, "tables and lengths are int32");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64, "positions are int64");
+  PD_CHECK(q.shape().size() == 3 && k_cache.shape().size() == 3 && block_tables.shape().size() == 2,
+           "q [T, H, D], caches [S, KVH, D], block_tables [B, M]");
+  const int64_t tokens = q.shape()[0], heads = q.shape()[1], dim = q.shape()[2];
+  const int64_t kv_heads = k_cache.shape()[1];
+  PD_CHECK(k_cache.shape()[2] == dim && v_cache.shape() == k_cache.shape(), "cache rows must be [KVH, D]");
+  PD_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  const int64_t num_seqs = block_tables.shape()[0], max_blocks = block_tables.shape()[1];
+  PD_CHECK(cu_seqlens_q.numel() == num_seqs + 1 && seq_lens_kv.numel() == num_seqs, "one entry per request");
+  PD_CHECK(positions.numel() == tokens, "one position per token");
+  PD_CHECK(block_size > 0 && k_cache.shape()[0] % block_size == 0 && k_cache.shape()[0] >= block_size,
+           "the cache must hold whole blocks, the last one the scratch block");
+  const Cache c{k_cache.data<float>(), v_cache.data<float>(), k_cache.shape()[0], kv_heads, dim, block_size,
+                k_cache.shape()[0] / block_size - 1};
+  const paddle::Tensor qc = q.is_contiguous() ? q : q.contiguous();
+  const int32_t* tables = block_tables.data<int32_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    PD_CHECK(tables[i] <= c.scratch_block, "a block table entry is outside the cache");
+  const int32_t* cu = cu_seqlens_q.data<int32_t>();
+  const int32_t* lens = seq_lens_kv.data<int32_t>();
+  const int64_t* pos = positions.data<int64_t>();
+  paddle::Tensor out = paddle::empty({tokens, heads, dim}, paddle::DataType::FLOAT32, q.place());
+  std::fill_n(out.data<float>(), out.numel(), 0.0f);
+  const int64_t group = heads / kv_heads;
+  std::vector<float> scores;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t first = cu[b], nq = cu[b + 1] - cu[b];
+    PD_CHECK(first >= 0 && nq >= 0 && first + nq <= tokens, "cu_seqlens_q out of range");
+    if (nq == 0) continue;
+    const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(lens[b], max_blocks * block_size));
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      AttendGroup(qc.data<float>() + first * heads * dim, out.data<float>() + first * heads * dim, pos + first,
+                  nq, heads, group, kvh, tables + b * max_blocks, num_keys, c, scores);
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PagedAttentionShape(
+    const std::vector<int64_t>& q, const std::vector<int64_t>& k_cache, const std::vector<int64_t>& v_cache,
+    const std::vector<int64_t>& block_tables, const std::vector<int64_t>& cu_seqlens_q,
+    const std::vector<int64_t>& seq_lens_kv, const std::vector<int64_t>& positions, int block_size) {
+  return {q};
+}
+
+std::vector<paddle::DataType> PagedAttentionDtype(
+    const paddle::DataType& q, const paddle::DataType& k_cache, const paddle::DataType& v_cache,
+    const paddle::DataType& block_tables, const paddle::DataType& cu_seqlens_q,
+    const paddle::DataType& seq_lens_kv, const paddle::DataType& positions) {
+  return {paddle::DataType::FLOAT32};
+}
+
+}  // namespace
+
+PD_BUILD_OP(mtp_paged_attention)
+    .Inputs({"q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", "positions"})
+    .Outputs({"out"})
+    .Attrs({"block_size: int"})
+    .SetKernelFn(PD_KERNEL(PagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));

@@ -1,0 +1,81 @@
+"""The `mtp_paged_attention` op (ops_ext/paged_attention.cc) against a NumPy reference: decode rows,
+verify windows and prefill chunks in one batch, GQA ratios, odd and block-boundary lengths, unused
+table entries, and rows that are bit-identical whatever requests share the call."""
+
+import numpy as np
+import paddle
+import pytest
+from paddle import _C_ops
+
+from mtpserve.model.attention_context import PAGED_OP
+from mtpserve.ops import cpu_op_available
+
+pytestmark = pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU op")
+BS = 4  # tokens per block
+
+
+def make(seed, new_tokens, cached, heads, kv_heads, dim=8, num_blocks=40):
+    """Requests with `cached[b]` tokens already in the cache and `new_tokens[b]` this step."""
+    gen = np.random.default_rng(seed)
+    rows = (num_blocks + 1) * BS
+    k_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    v_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    lens = [c + n for c, n in zip(cached, new_tokens)]
+    max_blocks = max(-(-n // BS) for n in lens) + 1  # NOTE: one unused (-1) entry per row at least
+    free = list(gen.permutation(num_blocks))
+    tables = np.full((len(lens), max_blocks), -1, np.int32)
+    for b, n in enumerate(lens):
+        for i in range(-(-n // BS)):
+            tables[b, i] = free.pop()
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new_tokens)]).astype(np.int64)
+    cu = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = gen.standard_normal((int(cu[-1]), heads, dim)).astype(np.float32)
+    return q, k_cache, v_cache, tables, cu, np.asarray(lens, np.int32), positions
+
+
+def run_op(q, k_cache, v_cache, tables, cu, lens, positions):
+    assert cpu_op_available(PAGED_OP), "the op must be built (make install)"
+    args = [paddle.to_tensor(a) for a in (q, k_cache, v_cache, tables, cu, lens, positions)]
+    return _C_ops._run_custom_op(PAGED_OP, *args, BS)[0].numpy()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def reference(q, k_cache, v_cache, tables, cu, lens, positions):
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    out = np.zeros_like(q, dtype=np.float64)
+    for b in range(len(lens)):
+        keys = np.arange(lens[b])
+        slots = tables[b, keys // BS].astype(np.int64) * BS + keys % BS
+        k, v = k_cache[slots].astype(np.float64), v_cache[slots].astype(np.float64)  # [K, KVH, D]
+        for t in range(cu[b], cu[b + 1]):
+            seen = keys <= positions[t]
+            for h in range(heads):
+                kvh = h // (heads // kv_heads)
+                s = k[seen, kvh] @ q[t, h].astype(np.float64) / np.sqrt(dim)
+                p = np.exp(s - s.max())
+                out[t, h] = (p / p.sum()) @ v[seen, kvh]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("new_tokens,cached", [
+    ([1], [0]), ([1, 1, 1], [3, 4, 17]),            # decode rows, one at a block boundary
+    ([3, 3], [5, 12]),                               # verify windows (k + 1 = 3)
+    ([9, 1, 3, 4], [0, 31, 7, 4]),                   # a prefill chunk beside decode and verify rows
+    ([5], [11]),                                     # a later prefill chunk
+])
+def test_matches_numpy(heads, kv_heads, new_tokens, cached):
+    inputs = make(len(new_tokens) * 31 + heads, new_tokens, cached, heads, kv_heads)
+    np.testing.assert_allclose(run_op(*inputs), reference(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_requests_rows_do_not_depend_on_the_others():
+    q, kc, vc, tables, cu, lens, pos = make(7, [3, 1, 5], [9, 20, 2], 8, 2)
+    together = run_op(q, kc, vc, tables, cu, lens, pos)
+    alone = run_op(q[3:4], kc, vc, tables[1:2], np.array([0, 1], np.int32), lens[1:2], pos[3:4])
+    assert alone.tobytes() == together[3:4].tobytes()
+
+
+def test_a_row_that_sees_no_key_is_zero():
+    q, kc, vc, tables, cu, lens, pos = make(9, [2], [3], 4, 2)
+    pos[1] = -1  # NOTE: an over-allocated slot: no visible key, its output is ignored by the caller
+    assert not run_op(q, kc, vc, tables, cu, lens, pos)[1].any()
