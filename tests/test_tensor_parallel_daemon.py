@@ -129,3 +129,21 @@ async def test_a_hung_rank_one_takes_the_instance_down(tmp_path):
     """SIGSTOP: no error anywhere, only silence. Rank 0's heartbeats stop (503 after the heartbeat
     timeout), its step times out, it exits; the launcher SIGKILLs the stopped rank after its grace."""
     await break_rank_one(tmp_path, signal.SIGSTOP, (503,))
+
+
+IDLE_S = 45.0  # NOTE: gloo's collective timeout is ~30 s and not configurable from Python
+
+
+@pytest.mark.slow
+def test_an_idle_instance_outlives_the_collective_timeout(tmp_path):
+    """Followers wait for plans on a socket, not in a collective: nobody calling for longer than the
+    collective timeout must not take the instance down (it did, at ~30 s, when plans were broadcast)."""
+    daemon = start(tmp_path, 2)
+    try:
+        first = greedy(daemon, PROMPTS[0])
+        time.sleep(IDLE_S)
+        assert daemon.proc.poll() is None, "the instance died while idle"
+        assert greedy(daemon, PROMPTS[0])["tokens"] == first["tokens"]
+    finally:
+        assert daemon.stop() == 0
+        assert wait_until(lambda: not daemon.leftovers(), 5), daemon.leftovers()

@@ -19,6 +19,9 @@ def local_ranks(parallel: ParallelConfig) -> range:
     return range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
 
 
+PLAN_ENDPOINT_VAR = "MTPSERVE_PLAN_ENDPOINT"
+
+
 def rank_environment(parallel: ParallelConfig, rank: int, cpu_count: int | None = None) -> dict[str, str]:
     """Variables for rank `rank`'s process (added to the launcher's own environment)."""
     size, master = parallel.tensor_parallel_size, f"{parallel.master_addr}:{parallel.master_port}"
@@ -33,6 +36,8 @@ def rank_environment(parallel: ParallelConfig, rank: int, cpu_count: int | None 
                                                          for r in range(1, size)]),
         "PADDLE_CURRENT_ENDPOINT": f"{parallel.master_addr}:{parallel.master_port + rank}",
         "FLAGS_selected_gpus": str(rank - local.start),
+        # NOTE: rank 0 serves step plans on a socket of its own, above the ports of the rendezvous.
+        PLAN_ENDPOINT_VAR: f"{parallel.master_addr}:{parallel.master_port + size}",
     }
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # NOTE: ranks sharing a host split its cores instead of each spawning a thread per core.

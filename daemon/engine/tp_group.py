@@ -7,6 +7,7 @@ import os
 import paddle
 import paddle.distributed as dist
 
+from mtpserve.engine.tp_env import PLAN_ENDPOINT_VAR
 from mtpserve.model.parallel import SINGLE, TensorParallel
 
 
@@ -21,7 +22,7 @@ def join_group(rank: int, size: int) -> TensorParallel:
     if dist.get_rank() != rank or dist.get_world_size() != size:
         raise RuntimeError(f"collective runtime says rank {dist.get_rank()} of {dist.get_world_size()}, "
                            f"expected {rank} of {size}")
-    return TensorParallel(rank=rank, size=size, group=group)
+    return TensorParallel(rank=rank, size=size, group=group, plan_endpoint=os.environ[PLAN_ENDPOINT_VAR])
 
 
 def backend() -> str:

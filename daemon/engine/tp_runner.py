@@ -36,8 +36,10 @@ class LeaderRunner(PaddleModelRunner):
             self._stream.submit(self.channel.send, None).result(timeout=STOP_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - peers gone or stuck; the launcher stops them
             self._stream.close(timeout=0.0)
+            self.channel.close()
             return
         super().close()
+        self.channel.close()
 
     def _lead(self, plan: StepPlan) -> StepResult:
         self.channel.send(plan)
@@ -48,7 +50,7 @@ class LeaderRunner(PaddleModelRunner):
 
 
 class FollowerRunner(PaddleModelRunner):
-    """A rank >= 1's runner: no scheduler; it runs what rank 0 broadcasts."""
+    """A rank >= 1's runner: no scheduler; it runs the plans rank 0 sends."""
 
     def __init__(self, model, config, channel: PlanChannel, on_result=None) -> None:
         super().__init__(model, config)
@@ -58,6 +60,10 @@ class FollowerRunner(PaddleModelRunner):
     def follow(self) -> concurrent.futures.Future:
         """Run plans until the stop plan; the future's result is the number of steps run."""
         return self._stream.submit(self._follow)
+
+    def close(self) -> None:
+        super().close()
+        self.channel.close()
 
     def _follow(self) -> int:
         n = 0

@@ -27,6 +27,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None
+    plan_endpoint: str = ""  # "host:port" where rank 0 serves step plans (engine/tp_plan_channel.py)
 
     def split(self, n: int) -> int:
         if n % self.size:
