@@ -70,7 +70,8 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class IpcConfig:
-    transport: str = key("posix", "output-channel transport", choices=("posix", "sysv"),
+    transport: str = key("auto", "output-channel transport; auto: POSIX, or SysV when the user's "
+                         "POSIX queue budget (RLIMIT_MSGQUEUE) is spent", choices=("auto", "posix", "sysv"),
                          flag="--ipc-transport")
     runtime_dir: str = key("", "directory for sockets and ownership records; empty: "
                            "$RUNTIME_DIRECTORY, else /tmp/mtpserve-<uid>")

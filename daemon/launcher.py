@@ -1,10 +1,11 @@
 """`mtpserve serve`: start the rank processes and the HTTP process, supervise them, stop them cleanly.
 
-1. Resolve this instance's runtime directory (0700) and write the validated configuration there as JSON
-   (children read it back typed; nothing is re-parsed or re-validated differently in a child).
-2. Create the output channel (queue + shared-memory ring, 0600, keyed by the instance name; stale
-   objects of a dead instance with the same name are removed first). The launcher owns it: the engine
-   and the HTTP process attach, and the launcher removes it on the way out, however the children ended.
+1. Check what the start needs (daemon/preflight.py: model directory, config.json, checkpoint headers,
+   tokenizer, runtime directory, port, /dev/shm): a failure is one line and an exit before anything loads.
+2. Create the output channel (queue + shared-memory ring, 0600, keyed by the instance name; channels of
+   dead instances are removed first). The launcher owns it: the engine and the HTTP process attach, and
+   the launcher removes it on the way out, however the children ended. Then write the validated
+   configuration as JSON into the instance's runtime directory (0700) for the children to read back typed.
 3. Start this host's rank processes (0..N-1; with nnodes > 1 this host's slice, each told where the
    collective group meets: docs/tensor-parallel.md), then, on node 0 only, the HTTP process. The HTTP
    process waits for rank 0's EngineReady on the request channel and answers 503 on /health until then.
@@ -25,11 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from mtpserve import log
+from structlog.typing import FilteringBoundLogger
+
+from mtpserve import log, preflight
 from mtpserve.config import Config
 from mtpserve.engine.tp_env import local_ranks, rank_environment
 from mtpserve.instance import instance_name, runtime_dir, write_config
-from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel
+from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel, QueueBudgetError
 from mtpserve.notify import Notifier
 from mtpserve.readiness import Readiness, health_url
 
@@ -62,13 +65,23 @@ def serve(config: Config) -> int:
     log.configure(config.logging.level, config.logging.format, process="launcher",
                   instance=instance_name(config))
     logger = log.get_logger("mtpserve.launcher")
-    directory = runtime_dir(config)
-    config_path = write_config(config, directory)
     try:
-        channel = create_output_channel(config)
+        preflight.check(config)
+    except preflight.StartupError as exc:
+        logger.error("cannot start", error=str(exc))
+        return exc.status
+    try:
+        channel = create_output_channel(config, logger)
     except (ChannelBusyError, OSError) as exc:
         logger.error("cannot create the output channel", error=str(exc))
         return 1
+    directory = runtime_dir(config)
+    try:
+        config_path = write_config(config, directory)
+    except OSError as exc:
+        channel.remove()
+        logger.error("cannot start", error=f"cannot write {directory}: {exc}")
+        return preflight.EX_CONFIG
     readiness = Readiness(Notifier(), health_url(config))
     supervisor = Supervisor(child_commands(config, config_path), readiness)
     logger.info("starting", runtime_dir=str(directory), host=config.server.host, port=config.server.port)
@@ -79,11 +92,22 @@ def serve(config: Config) -> int:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def create_output_channel(config: Config) -> OutputChannel:
+def create_output_channel(config: Config, logger: FilteringBoundLogger) -> OutputChannel:
+    """The configured transport; under `auto`, POSIX unless the kernel refuses this user another queue."""
     ipc = config.ipc
-    return OutputChannel.create(instance_name(config), ipc.transport, ring_bytes=ipc.ring_bytes,
-                                max_msg_bytes=ipc.max_msg_bytes, queue_depth=ipc.queue_depth,
-                                chunked=ipc.payload == "chunked")
+
+    def create(transport: str) -> OutputChannel:
+        return OutputChannel.create(instance_name(config), transport, ring_bytes=ipc.ring_bytes,
+                                    max_msg_bytes=ipc.max_msg_bytes, queue_depth=ipc.queue_depth,
+                                    chunked=ipc.payload == "chunked")
+
+    if ipc.transport != "auto":
+        return create(ipc.transport)
+    try:
+        return create("posix")
+    except QueueBudgetError as exc:
+        logger.warning("using the SysV output queue", reason=str(exc))
+        return create("sysv")
 
 
 class Supervisor:

@@ -23,6 +23,8 @@ it is non-zero, calling flush until it drains. Past the bound the op raises. Not
 from __future__ import annotations
 
 import os
+import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,10 @@ STOCK_QUEUE_DEPTH = 10  # fs.mqueue.msg_max on a stock kernel
 
 class ChannelBusyError(RuntimeError):
     """Another live process owns this instance's channel."""
+
+
+class QueueBudgetError(OSError):
+    """The kernel refused a POSIX queue: the user's RLIMIT_MSGQUEUE bytes are spent (or no fd is free)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class OutputChannel:
                ring_bytes: int = DEFAULT_RING_BYTES, max_msg_bytes: int = STOCK_MSG_BYTES,
                queue_depth: int = STOCK_QUEUE_DEPTH, chunked: bool = False) -> "OutputChannel":
         transport = _transport(transport)
+        sweep_dead_instances()
         remove_stale(instance)
         ring = ShmRing.create(names.ring_name(instance), 0 if chunked else ring_bytes)
         try:
@@ -154,6 +161,35 @@ def remove_stale(instance: str) -> list[str]:
     return removed
 
 
+def sweep_dead_instances(min_age_s: float = 60.0) -> list[str]:
+    """Remove the channels of this user's instances whose owner died (SIGKILL, OOM): their POSIX queues
+    would otherwise hold the user's RLIMIT_MSGQUEUE budget until reboot, under a name nobody starts again.
+    A ring with no header yet may be one that a live launcher is creating: only an old one is removed."""
+    removed: list[str] = []
+    prefix = f"mtpserve.{os.getuid()}."
+    for path in Path("/dev/shm").glob(f"{prefix}*.out"):
+        instance = path.name[len(prefix):-len(".out")]
+        try:
+            ring = ShmRing.open("/" + path.name)
+        except (OSError, posix_ipc.Error):
+            continue
+        complete, dead = ring.is_valid(), not owner_alive(ring)
+        ring.close()
+        if (complete and dead) or (not complete and _age_s(path) > min_age_s):
+            try:
+                removed += remove_stale(instance)
+            except (ChannelBusyError, PermissionError, ValueError, OSError, posix_ipc.Error):
+                continue
+    return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _transport(value: str | wire.Transport) -> wire.Transport:
     return value if isinstance(value, wire.Transport) else wire.Transport[value.upper()]
 
@@ -181,8 +217,11 @@ def _write_ring_header(ring: ShmRing, instance: str, transport: wire.Transport, 
 
 def _create_queue(instance: str, transport: wire.Transport, max_msg_bytes: int, depth: int) -> int:
     if transport is wire.Transport.POSIX:
-        mq = posix_ipc.MessageQueue(names.queue_name(instance), posix_ipc.O_CREX, mode=0o600,
-                                    max_messages=depth, max_message_size=max_msg_bytes)
+        try:
+            mq = posix_ipc.MessageQueue(names.queue_name(instance), posix_ipc.O_CREX, mode=0o600,
+                                        max_messages=depth, max_message_size=max_msg_bytes)
+        except OSError as exc:  # posix_ipc says EMFILE, which Linux also returns for RLIMIT_MSGQUEUE
+            raise QueueBudgetError(_budget_message(depth, max_msg_bytes, exc)) from exc
         os.fchmod(mq.mqd, 0o600)
         mq.close()
         return -1
@@ -194,6 +233,14 @@ def _create_queue(instance: str, transport: wire.Transport, max_msg_bytes: int, 
         if sysv.create(key) is not None:
             return key
     raise RuntimeError(f"no free SysV key for instance {instance!r} in {names.MAX_KEY_ATTEMPTS} tries")
+
+
+def _budget_message(depth: int, max_msg_bytes: int, exc: OSError) -> str:
+    limit = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
+    return (f"cannot create the POSIX output queue ({depth} x {max_msg_bytes} B): {exc}; the kernel counts "
+            f"every queue of this user against RLIMIT_MSGQUEUE ({limit} B), so other queues hold it. "
+            "Stop other instances, raise LimitMSGQUEUE= (systemd) or `ulimit -q`, "
+            "or use --ipc-transport sysv")
 
 
 def _live_sysv_keys() -> set[int]:

@@ -49,7 +49,12 @@ class ShmRing:
                                      size=wire.RING_HEADER_BYTES + capacity)
         try:
             os.fchmod(shm.fd, 0o600)
+            # NOTE: reserve the pages now: a full /dev/shm is ENOSPC here, not SIGBUS at a later write
+            os.posix_fallocate(shm.fd, 0, shm.size)
             mm = mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS)
+        except BaseException:
+            shm.unlink()
+            raise
         finally:
             shm.close_fd()
         np.frombuffer(mm, wire.RING_DTYPE, count=1)["capacity"] = capacity

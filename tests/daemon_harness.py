@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -42,13 +43,16 @@ class Daemon:
 
     @classmethod
     def start(cls, tmp_path: Path, *args: str, env: dict | None = None,
-              instance: str | None = None) -> Daemon:
+              instance: str | None = None, limits: dict[int, int] | None = None,
+              stdout: int | None = None) -> Daemon:
+        """`limits`: soft resource limits (resource.RLIMIT_*) the launcher and its children start with."""
         port, instance = free_port(), instance or f"t{uuid.uuid4().hex[:10]}"
         runtime = tmp_path / "run"
         argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--runtime-dir",
                 str(runtime), "--instance", instance, "--log-level", "warning",
                 "--served-model-name", "m", *args]
-        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=stdout, text=True,
+                                preexec_fn=(lambda: _lower_limits(limits)) if limits else None)
         return cls(proc, f"http://127.0.0.1:{port}", instance, runtime / instance)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
@@ -87,6 +91,18 @@ class Daemon:
         shm = [str(p) for p in Path("/dev/shm").glob(f"*{self.instance}*")]
         mq = [str(p) for p in Path("/dev/mqueue").glob(f"*{self.instance}*")]
         return alive + shm + mq + ([str(self.runtime_dir)] if self.runtime_dir.exists() else [])
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _lower_limits(limits: dict[int, int]) -> None:
+    for which, soft in limits.items():
+        resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
 
 
 def status_of(url: str, body: dict | None = None) -> int:

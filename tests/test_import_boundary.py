@@ -8,7 +8,8 @@ import mtpserve.ipc
 import mtpserve.server
 import mtpserve.web
 
-PADDLE_FREE = ("mtpserve.server", "mtpserve.web", "mtpserve.ipc", "mtpserve.config", "mtpserve.instance", "mtpserve.cli", "mtpserve.log",
+PADDLE_FREE = ("mtpserve.server", "mtpserve.web", "mtpserve.ipc", "mtpserve.config", "mtpserve.instance",
+               "mtpserve.cli", "mtpserve.log", "mtpserve.launcher", "mtpserve.preflight",
                "mtpserve.tokenizer", "mtpserve.chat_template")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from daemon_harness import Daemon, free_port, model_available, status_of, wait_until
+from daemon_harness import post_json as post
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the bundled model is not there")
 
@@ -68,14 +69,6 @@ def cluster(tmp_path_factory):
         router.stop()
         for d in daemons:
             d.stop()
-
-
-def post(url: str, body: dict, timeout: float = 120) -> dict:
-    import urllib.request
-
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.load(response)
 
 
 def prompts(n: int) -> list[str]:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpserve.preflight import EX_CONFIG
+
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = sorted(p.name for p in (ROOT / "systemd").glob("*.service"))
 
@@ -63,3 +65,10 @@ def test_stop_timeout_outlasts_the_drain(name):
     text = (ROOT / "systemd" / name).read_text()
     stop = next(int(line.split("=")[1]) for line in text.splitlines() if line.startswith("TimeoutStopSec="))
     assert stop > Config().server.drain_timeout + 10
+
+
+@pytest.mark.parametrize("name", [u for u in UNITS if "router" not in u])
+def test_a_failed_start_up_check_is_not_retried(name):
+    """The launcher exits EX_CONFIG when only a change of files or settings can help (daemon/preflight.py)."""
+    text = (ROOT / "systemd" / name).read_text()
+    assert f"RestartPreventExitStatus={EX_CONFIG}" in text

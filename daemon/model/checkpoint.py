@@ -16,18 +16,13 @@ import paddle
 from safetensors.numpy import save_file
 
 from mtpserve.model.mimo_model import MiMoForCausalLM
-from mtpserve.model.safetensors_reader import SafetensorsFile
+from mtpserve.model.safetensors_reader import CheckpointError, SafetensorsFile, weight_files
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # NOTE: Hugging Face checkpoints may carry buffers (RoPE frequencies) that this model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match the model: missing, unexpected or mis-shaped."""
 
 
 def save_checkpoint(model: MiMoForCausalLM, directory: Path, dtype: str = "float32") -> None:
@@ -39,19 +34,6 @@ def save_checkpoint(model: MiMoForCausalLM, directory: Path, dtype: str = "float
                for name, p in model.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: from the index when there is one."""
-    directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / n for n in names]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    return files
 
 
 def load_weights(model: MiMoForCausalLM, directory: Path) -> None:

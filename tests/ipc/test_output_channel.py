@@ -4,6 +4,7 @@ next start, a live owner refused, everything removed at exit, foreign SysV keys 
 import os
 import subprocess
 import sys
+import uuid
 
 import posix_ipc
 import pytest
@@ -145,3 +146,39 @@ def test_a_live_instance_queue_is_never_taken_for_an_orphan(make_channel, instan
         assert sysv.find(live.address.sysv_key) is not None
     finally:
         second.remove()
+
+
+def kill_an_owner(instance: str, transport: str) -> None:
+    script = ("import os, signal; from mtpserve.ipc.output_channel import OutputChannel;"
+              f"OutputChannel.create({instance!r}, {transport!r}); os.kill(os.getpid(), signal.SIGKILL)")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_any_start_removes_the_channels_of_dead_instances_and_keeps_live_ones(make_channel, transport):
+    """A SIGKILLed instance's POSIX queue holds the user's RLIMIT_MSGQUEUE bytes until someone unlinks it,
+    and nobody may ever start that instance name again: the next start of any instance sweeps it."""
+    dead, live = (f"t{os.getpid()}-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    kill_an_owner(dead, transport)
+    stale = OutputChannel.attach(dead)
+    keeper = OutputChannel.create(live, transport)
+    try:
+        assert stale.is_removed() and gone(stale.address)
+        assert not OutputChannel.attach(live).is_removed()
+        make_channel(transport)  # a third start leaves the live one alone
+        assert not keeper.is_removed()
+    finally:
+        stale.close()
+        keeper.remove()
+
+
+def test_a_spent_queue_budget_is_named_with_its_fix(instance):
+    """Linux answers EMFILE when the user's queues exceed RLIMIT_MSGQUEUE; the error says so."""
+    script = ("import resource; from mtpserve.ipc.output_channel import OutputChannel, QueueBudgetError;"
+              "resource.setrlimit(resource.RLIMIT_MSGQUEUE, (1024, resource.getrlimit("
+              "resource.RLIMIT_MSGQUEUE)[1]))\n"
+              f"try:\n    OutputChannel.create({instance!r}, 'posix')\n"
+              "except QueueBudgetError as exc:\n    print(exc)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert "RLIMIT_MSGQUEUE (1024 B)" in done.stdout and "--ipc-transport sysv" in done.stdout
+    assert remove_stale(instance) == []  # the ring made before the queue went with the failure
