@@ -66,6 +66,9 @@ class SpeculativeConfig:
                                       min=0, max=8)
     method: str = key("mtp", "draft source: the model's own MTP layers (the only method; a vLLM-style "
                       "setting so configurations carry over)", choices=("mtp",), flag="--speculative-method")
+    adaptive: bool = key(True, "choose each request's drafts per step (0..num_speculative_tokens) from a "
+                         "measured step-cost model and its acceptance; false: always draft "
+                         "num_speculative_tokens", flag="--speculative-adaptive")
 
 
 @dataclass(frozen=True)

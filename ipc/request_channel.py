@@ -116,6 +116,10 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_per_pos: list[int] = []  # [k]: accepted drafts at each draft position
+    num_drafted_per_pos: list[int] = []  # [k]: windows that drafted at each position
+    num_rows_by_drafts: list[int] = []  # [k+1]: rows whose next window the policy gave 0..k drafts
+    spec_predicted_seconds: float = 0.0  # the policy's cost model, summed over steps
+    spec_measured_seconds: float = 0.0  # the same steps' device time
     timestamp: float = 0.0
     # NOTE: PD (docs/pd.md). Prefill role: held KV and expired leases; decode role: KV reads.
     num_kv_held: int = 0

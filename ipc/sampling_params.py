@@ -30,6 +30,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n (<= 20)
+    max_draft_tokens: int | None = None  # a cap on the drafts of each window; 0: no drafting; None: the engine's
 
     @property
     def is_greedy(self) -> bool:
@@ -53,5 +54,6 @@ def sampling_problems(p: SamplingParams) -> list[str]:
          f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
         (p.seed is None or 0 <= p.seed < 2**64, "seed must be in [0, 2**64)"),
         (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids must be >= 0"),
+        (p.max_draft_tokens is None or p.max_draft_tokens >= 0, "max_draft_tokens must be >= 0"),
     ]
     return [message for ok, message in checks if not ok]

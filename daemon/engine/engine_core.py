@@ -14,7 +14,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from mtpserve.engine.runner import ModelRunner
 from mtpserve.engine.sampler import check_bounds
 from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
+from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepPlan, StepResult
 
@@ -35,6 +36,15 @@ class CoreConfig:
     overlap: bool = True  # plan and launch step N+1 before finishing step N
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # draws the seeds of requests that bring none
+    adaptive_speculation: bool = True  # the policy picks each row's drafts; off: every row drafts k
+
+
+class Launched(NamedTuple):
+    """A step on the device: what was scheduled, the cost model's view of it, and its result to come."""
+
+    plan: SchedulePlan
+    cost_features: np.ndarray
+    future: concurrent.futures.Future[StepResult]
 
 
 R = TypeVar("R", bound=ModelRunner)  # the runner's own type, for callers that reach into it (tests, PD)
@@ -50,9 +60,10 @@ class EngineCore(Generic[R]):
         self.scheduler = Scheduler(config.scheduler, on_finish=self.connector.on_finish)
         self.connector.bind(self.scheduler)
         self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
+        self.speculation = Speculation(config.scheduler.num_speculative_tokens,
+                                       config.adaptive_speculation and not self.connector.drafts_leave)
         # NOTE: steps launched and not finished, oldest first; at most `_depth` (2 when overlapping).
-        self._inflight: collections.deque[tuple[SchedulePlan, concurrent.futures.Future[StepResult]]] = \
-            collections.deque()
+        self._inflight: collections.deque[Launched] = collections.deque()
         self._depth = 2 if config.overlap else 1
         self._aborted: list[tuple[RequestId, int]] = []  # (request id, tokens it emitted)
         self._step_ids = itertools.count()
@@ -124,11 +135,13 @@ class EngineCore(Generic[R]):
         self.connector.before_step()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
+            drafts = self.speculation.choose(plan)
             step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
-                                       self.config.scheduler.num_speculative_tokens)
-            self._inflight.append((plan, self.runner.launch(step_plan)))
+                                       self.config.scheduler.num_speculative_tokens, drafts)
+            self._inflight.append(Launched(plan, self.speculation.features(plan, drafts),
+                                           self.runner.launch(step_plan)))
         if self._inflight and (len(self._inflight) >= self._depth or plan.is_empty):
-            return self._inflight[0][1]
+            return self._inflight[0].future
         return None
 
     def finish_step(self, result: StepResult | None) -> StepEmission:
@@ -137,14 +150,16 @@ class EngineCore(Generic[R]):
         out = self._emit_aborts(Emitter())
         if result is None:
             return self.connector.after_step(out.build(-1))
-        plan, _ = self._inflight.popleft()
-        return self.connector.after_step(self._collect(plan, result, out))
+        launched = self._inflight.popleft()
+        self.speculation.observe(launched.cost_features, result.seconds)
+        return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _collect(self, plan: SchedulePlan, result: StepResult, out: Emitter) -> StepEmission:
         """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
         verified = [i for i, row in enumerate(plan.rows) if self._apply_row(row, result, i, out)]
-        self.acceptance.observe(result.num_accepted[verified])
+        num_drafts = np.array([plan.rows[i].num_tokens - 1 for i in verified], np.int64)
+        self.acceptance.observe(result.num_accepted[verified], num_drafts)
         return out.build(result.step_id)
 
     def _apply_row(self, row: ScheduledRow, result: StepResult, i: int, out: Emitter) -> bool:
@@ -157,7 +172,7 @@ class EngineCore(Generic[R]):
         reason = FinishReason(int(result.finish_reason[i]))
         is_verified = not row.is_prefill and bool(result.is_valid[i])
         if is_verified:
-            self._count_acceptance(request, int(result.num_accepted[i]))
+            self._count_acceptance(request, row.num_tokens - 1, int(result.num_accepted[i]))
         self.scheduler.commit(row, tokens.tolist(), reason)
         if tokens.shape[0] or reason is not FinishReason.NONE:
             width = request.params.logprobs
@@ -166,9 +181,10 @@ class EngineCore(Generic[R]):
                     _row_logprobs(result, i, tokens.shape[0], width), request, drafts=drafts)
         return is_verified
 
-    def _count_acceptance(self, request: Request, num_accepted: int) -> None:
-        request.num_draft_tokens += self.config.scheduler.num_speculative_tokens
+    def _count_acceptance(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
+        self.speculation.observe_window(request, num_drafts, num_accepted)
 
     def _emit_aborts(self, out: Emitter) -> Emitter:
         for request_id, num_emitted in self._aborted:
@@ -177,8 +193,8 @@ class EngineCore(Generic[R]):
         return out
 
     def close(self) -> None:
-        for _, future in self._inflight:
-            future.result()
+        for launched in self._inflight:
+            launched.future.result()
         self._inflight.clear()
         self.runner.close()
         self.connector.close()

@@ -27,18 +27,20 @@ def build_model_engine(model: MiMoForCausalLM, engine: EngineConfig = EngineConf
                        make_runner: RunnerFactory = PaddleModelRunner) -> EngineCore:
     """`make_runner` builds the device side (the tensor-parallel leader passes its own)."""
     cfg = runner_config(model, engine, speculative)
-    return EngineCore(core_config(model, engine, cfg, eos_token_ids), make_runner(model, cfg), connector)
+    return EngineCore(core_config(model, engine, cfg, speculative, eos_token_ids), make_runner(model, cfg),
+                      connector)
 
 
 def core_config(model: MiMoForCausalLM, engine: EngineConfig, runner: ModelRunnerConfig,
-                eos_token_ids: tuple[int, ...] = ()) -> CoreConfig:
+                speculative: SpeculativeConfig, eos_token_ids: tuple[int, ...] = ()) -> CoreConfig:
     sched = SchedulerConfig(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
                             max_prefill_chunk=engine.max_prefill_chunk,
                             num_speculative_tokens=runner.num_speculative_tokens, num_blocks=runner.num_blocks,
                             block_size=engine.block_size,
                             max_model_len=engine.max_model_len or model.config.max_position_embeddings)
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())
-    return CoreConfig(sched, overlap=engine.enable_overlap, eos_token_ids=eos, seed=engine.seed)
+    return CoreConfig(sched, overlap=engine.enable_overlap, eos_token_ids=eos, seed=engine.seed,
+                      adaptive_speculation=speculative.adaptive)
 
 
 def runner_config(model: MiMoForCausalLM, engine: EngineConfig, speculative: SpeculativeConfig) -> ModelRunnerConfig:

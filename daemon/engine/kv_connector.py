@@ -56,6 +56,7 @@ class KVConnector:
 
     role = "mixed"
     endpoint: KVEndpoint | None = None
+    drafts_leave = False  # its requests' drafts open another instance's windows: always draft k
 
     def bind(self, scheduler: Scheduler) -> None:
         """Called once by the core: the scheduler whose blocks and queues the hooks work on."""

@@ -31,6 +31,7 @@ class KVHold:
 
 class PrefillConnector(KVConnector):
     role = "prefill"
+    drafts_leave = True
 
     def __init__(self, lease_s: float, announce: Callable[[KVHold], None],
                  endpoint: KVEndpoint | None = None) -> None:

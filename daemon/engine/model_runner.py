@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 
 import numpy as np
 import paddle
@@ -74,6 +75,10 @@ class PaddleModelRunner:
     # ---- device side ----------------------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        begin = time.perf_counter()
+        return self._run_step(plan)._replace(seconds=time.perf_counter() - begin)
+
+    def _run_step(self, plan: StepPlan) -> StepResult:
         with paddle.no_grad():
             self.state.apply_writes(plan)
             self.sampling.apply_inserts(plan)
@@ -81,15 +86,15 @@ class PaddleModelRunner:
             batch = self._forward_batch(plan, win)
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
             out = self.model.run(batch.input_ids, batch.positions, ctx)
-            rows = self._verify_rows(plan, win)  # [B, k+1]
+            rows = win.verify_index(plan.is_prefill, plan.verify_width)  # [B, W]
             rows_dev = paddle.to_tensor(rows.reshape(-1))
-            logits = self.model.compute_logits(paddle.gather(out.hidden_states, rows_dev))  # [B*(k+1), V]
+            logits = self.model.compute_logits(paddle.gather(out.hidden_states, rows_dev))  # [B*W, V]
             v = self._decide(plan, logits)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
             drafts = None
-            if self.proposer is not None:
+            if self.proposer is not None and plan.num_depths:
                 drafts = self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted,
                                                reason, self.state)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
@@ -119,25 +124,21 @@ class PaddleModelRunner:
             block_tables=paddle.to_tensor(tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
 
-    def _verify_rows(self, plan: StepPlan, win: Window) -> np.ndarray:
-        """Flat token index of each verify row: the k+1 window positions of a decode row; the last
-        chunk position (repeated) for a prefill row. -> [B, k+1]."""
-        col = np.arange(self.num_speculative_tokens + 1)[None, :]
-        decode = win.cu[:-1, None] + col
-        last = (win.cu[1:] - 1)[:, None] + 0 * col
-        return np.where(plan.is_prefill[:, None], last, decode)
-
     def _decide(self, plan: StepPlan, logits: paddle.Tensor) -> Verified:
         """Penalties and filters on every verify row, then greedy/rejection verification of decode
-        rows and a plain draw for prefill rows. logits: [B*(k+1), V]."""
-        k = self.num_speculative_tokens
+        rows and a plain draw for prefill rows. logits: [B*(k+1), V], k = the step's widest window.
+
+        NOTE: a row verifying fewer drafts than k has its missing drafts set to -1, which no target
+        equals and the sampled verifier rejects, so its window ends with a plain draw where it ends."""
+        k = plan.verify_width - 1
         slots, b = plan.slots, plan.num_rows
-        drafts = self.state.drafts[slots]  # [B, k]
+        has_draft = np.arange(k)[None, :] < plan.num_drafts[:, None]  # [B, k]
+        drafts = np.where(has_draft, self.state.drafts[slots, :k], -1)  # [B, k]
         if self._is_plain_greedy(slots):
             return self._greedy(plan, paddle.argmax(logits, axis=-1).reshape([b, k + 1]), drafts)
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
         params = self.sampling.row_params(slots, out_index, self.state)
-        counts, mask = self.sampling.penalty_inputs(slots, drafts) or (None, None)
+        counts, mask = self.sampling.penalty_inputs(slots, np.maximum(drafts, 0)) or (None, None)
         logits = processed_logits(logits, counts, mask, params)
         greedy = paddle.argmax(logits, axis=-1).reshape([b, k + 1])
         if not (self.sampling.temperature[slots] > 0).any():
@@ -163,7 +164,7 @@ class PaddleModelRunner:
     def _greedy(self, plan: StepPlan, greedy: paddle.Tensor, drafts: np.ndarray) -> Verified:
         """greedy: [B, k+1] argmax per verify row."""
         target = greedy.numpy()
-        if self.num_speculative_tokens == 0:
+        if target.shape[1] == 1:
             return self._finish_verify(plan, target[:, 0], None)
         tokens, accepted = verify_greedy_numpy(target, drafts)
         pre = plan.is_prefill
@@ -174,7 +175,7 @@ class PaddleModelRunner:
     def _finish_verify(self, plan: StepPlan, first: np.ndarray, res: VerifyResult | None) -> Verified:
         """Prefill rows (and every row when k = 0) emit their plain draw `first` [B]."""
         b = plan.num_rows
-        if res is None or self.num_speculative_tokens == 0:
+        if res is None:
             return Verified(first[:, None], np.ones(b, np.int64), np.zeros(b, np.int64))
         tokens, emitted, accepted = res.token_ids.numpy(), res.num_emitted.numpy(), res.num_accepted.numpy()
         pre = plan.is_prefill

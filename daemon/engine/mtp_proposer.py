@@ -38,17 +38,19 @@ class MTPProposer:
     def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
                 main_hidden: paddle.Tensor, verified, num_emitted: np.ndarray, reason: np.ndarray,
                 state: SlotState) -> np.ndarray:
-        """Run the k depths, store the drafts of rows that keep generating into `state.drafts`, and
-        return every row's drafts [B, k] (a PD prefill hands those of its finished rows on)."""
+        """Run the depths the plan asks for (`plan.num_depths` <= k), store the drafts of rows that keep
+        generating into `state.drafts`, and return every row's drafts [B, k] (a PD prefill hands those of
+        its finished rows on; past the depths run they are placeholders, which only lower acceptance)."""
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
         ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
         offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
         at_frontier = paddle.to_tensor(win.cu[:-1] + frontier)  # [B]
         rows = np.arange(plan.num_rows)
         hidden = main_hidden
-        for depth in range(self.k):
+        depths = plan.num_depths
+        for depth in range(depths):
             shifted = paddle.to_tensor(ahead[win.row_of, offset + depth])  # [T]
-            last = depth == self.k - 1
+            last = depth == depths - 1
             # NOTE: the last depth's hidden feeds no further depth: only its frontier rows are needed.
             out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
                                      out_rows=at_frontier if last else None)
@@ -57,7 +59,7 @@ class MTPProposer:
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)
         drafts = ahead[rows[:, None], frontier[:, None] + 1 + np.arange(self.k)[None, :]]  # [B, k]
-        state.drafts[plan.slots[live]] = drafts[live]
+        state.drafts[plan.slots[live], :depths] = drafts[live, :depths]
         return drafts
 
     def _context(self, ctx: PagedContext, depth: int) -> PagedContext:

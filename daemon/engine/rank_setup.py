@@ -13,6 +13,7 @@ from mtpserve.engine.engine_factory import build_model_engine, core_config, runn
 from mtpserve.engine.model_runner import PaddleModelRunner
 from mtpserve.engine.rank_loop import RankLoop
 from mtpserve.engine.request import EngineRequest
+from mtpserve.engine.spec_stats import AcceptanceStats
 from mtpserve.ipc import request_channel as rc
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import OutputChannel
@@ -85,13 +86,39 @@ def build_core(model: MiMoForCausalLM, config: Config, tp: TensorParallel, chann
     cfg = runner_config(model, config.engine, config.speculative)
     runner = PaddleModelRunner(model, cfg)
     connector = build_connector(config.pd, runner, cfg.block_size, channel, wake.set)
-    return EngineCore(core_config(model, config.engine, cfg), runner, connector)
+    return EngineCore(core_config(model, config.engine, cfg, config.speculative), runner, connector)
 
 
 def warm_up(core: EngineCore) -> None:
-    """One short greedy request end to end, results discarded."""
+    """One short greedy request end to end, results discarded; then the speculation policy's profile."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     core.add_request(EngineRequest(-1, WARMUP_PROMPT, params))
+    _drain(core)
+    profile_steps(core)
+
+
+def profile_steps(core: EngineCore, max_rows: int = 16, num_tokens: int = 6) -> None:
+    """Time steps at one row and at `max_rows`, drafting nothing and the maximum, so the cost model
+    has seen each shape it chooses between before the first client (docs/speculation.md)."""
+    spec = core.speculation
+    if not spec.adaptive:
+        return
+    rows = min(max_rows, core.config.scheduler.max_num_seqs)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    prompt = tuple(range(1, 33))
+    for batch in (1, rows):
+        for drafts in (0, spec.max_drafts):
+            spec.forced = drafts
+            for i in range(batch):
+                core.add_request(EngineRequest(-2 - i, prompt, params))
+            _drain(core)
+    spec.forced = None
+    # NOTE: the profile's prompt says nothing about what clients' drafts are worth
+    spec.forget_acceptance()
+    core.acceptance = AcceptanceStats(spec.max_drafts)
+
+
+def _drain(core: EngineCore) -> None:
     while core.has_unfinished_requests():
         core.step()
 

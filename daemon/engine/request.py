@@ -7,6 +7,7 @@ import enum
 
 import numpy as np
 
+from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.ipc.sampling_params import SamplingParams, sampling_problems
 
 
@@ -80,6 +81,7 @@ class Request:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.acceptance: DepthAcceptance | None = None  # its drafts' acceptance per depth (speculation.py)
         self.hold_kv = req.hold_kv
         self.remote = req.remote  # None once its KV arrived (or the engine fell back to recompute)
         self.remote_start: tuple[int, np.ndarray] | None = None  # (last token, drafts) of arrived KV
@@ -96,6 +98,7 @@ class Request:
         self.num_kv_tokens = 0
         self.num_inflight_tokens = 0
         self.num_inflight_steps = 0
+        self.num_drafts = 0  # drafts the device holds for the next decode window (the policy's choice)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +135,7 @@ class Request:
         self.num_kv_tokens = int(self.prompt_ids.shape[0])
         self.num_prefill_scheduled = self.num_prefill_tokens
         self.remote_start = (remote.first_token_id, np.asarray(remote.draft_token_ids, np.int64))
+        self.num_drafts = len(remote.draft_token_ids)  # the scheduler caps it at this engine's k
 
     def kv_lost(self) -> None:
         """The prefill's KV cannot be read: recompute the prompt (and the first token's KV) here."""

@@ -69,7 +69,7 @@ class ScheduledRow:
     epoch: int
     slot: int
     is_prefill: bool
-    num_tokens: int  # prefill chunk length, or the k+1 upper bound of a decode window
+    num_tokens: int  # prefill chunk length, or a decode window: its drafts + 1 (an upper bound)
     start_pos: int  # first position of a prefill chunk (decode rows: device-resident)
     emits: bool  # a decode window, or the last prefill chunk
 
@@ -189,7 +189,9 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if not request.is_prefilling:
-            return self.config.decode_window if budget >= self.config.decode_window else 0
+            # NOTE: the window verifies the drafts the policy had this request propose last step
+            window = min(request.num_drafts, self.config.num_speculative_tokens) + 1
+            return window if budget >= window else 0
         remaining = request.num_prefill_tokens - request.num_prefill_scheduled
         return max(0, min(remaining, budget, self.config.max_prefill_chunk))
 

@@ -25,6 +25,13 @@ class Window:
         self.start = start  # [B] int64, position of each row's first token
         self.is_valid = is_valid  # [B] bool
 
+    def verify_index(self, is_prefill: np.ndarray, width: int) -> np.ndarray:
+        """Flat token index of each verify row -> [B, width]: a decode window's positions (its last
+        repeated past its end, for rows drafting less than the widest); a prefill chunk's last position."""
+        last = self.cu[1:, None] - 1
+        decode = np.minimum(self.cu[:-1, None] + np.arange(width)[None, :], last)
+        return np.where(is_prefill[:, None], last, decode)
+
 
 class SlotState:
     def __init__(self, num_slots: int, num_speculative_tokens: int, max_blocks_per_seq: int,

@@ -16,15 +16,18 @@ class AcceptanceStats:
         self.accepted_per_pos = np.zeros(num_speculative_tokens, dtype=np.int64)  # [k]
         self.drafted_per_pos = np.zeros(num_speculative_tokens, dtype=np.int64)  # [k]
 
-    def observe(self, num_accepted: np.ndarray) -> None:
-        """num_accepted: [R] accepted drafts per verified window of this step."""
+    def observe(self, num_accepted: np.ndarray, num_drafts: np.ndarray) -> None:
+        """Per verified window of this step [R]: drafts accepted and drafts it verified (windows that
+        drafted nothing count for nothing)."""
         k = self.accepted_per_pos.shape[0]
-        if k == 0 or num_accepted.size == 0:
+        drafted = num_drafts > 0
+        if k == 0 or not drafted.any():
             return
+        num_accepted, num_drafts = num_accepted[drafted], num_drafts[drafted]
         pos = np.arange(k)
         self.num_draft_steps += int(num_accepted.size)
-        self.num_draft_tokens += int(num_accepted.size) * k
-        self.drafted_per_pos += num_accepted.size
+        self.num_draft_tokens += int(num_drafts.sum())
+        self.drafted_per_pos += (num_drafts[:, None] > pos[None, :]).sum(axis=0)
         self.accepted_per_pos += (num_accepted[:, None] > pos[None, :]).sum(axis=0)
 
     @property
@@ -37,3 +40,31 @@ class AcceptanceStats:
 
     def per_position_rate(self) -> list[float]:
         return (self.accepted_per_pos / np.maximum(self.drafted_per_pos, 1)).tolist()
+
+
+class DepthAcceptance:
+    """A running estimate of the chance that the draft at each depth is accepted, given that the drafts
+    before it were: decayed counts of tries and acceptances per depth, shrunk towards a prior.
+
+    Depth i of a window of n drafts was tried if the i drafts before it were accepted (i <= accepted) and
+    accepted if accepted > i."""
+
+    PRIOR_WEIGHT = 4.0  # windows' worth of evidence the prior counts for
+    FIRST_PRIOR = 0.5  # before anything was seen
+
+    def __init__(self, max_drafts: int, decay: float) -> None:
+        self.tried = np.zeros(max_drafts)
+        self.accepted = np.zeros(max_drafts)
+        self.decay = decay
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        depth = np.arange(self.tried.shape[0])
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        self.tried += (depth < num_drafts) & (depth <= num_accepted)
+        self.accepted += depth < num_accepted
+
+    def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
+        """[K] conditional acceptance per depth."""
+        base = np.full(self.tried.shape, self.FIRST_PRIOR) if prior is None else prior
+        return (self.accepted + self.PRIOR_WEIGHT * base) / (self.tried + self.PRIOR_WEIGHT)

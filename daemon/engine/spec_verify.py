@@ -37,12 +37,17 @@ def accepted_prefix(accept: paddle.Tensor) -> paddle.Tensor:
     return paddle.cumprod(accept.astype("int64"), dim=1).sum(axis=1)
 
 
-def residual(p: paddle.Tensor, q: paddle.Tensor | None, draft_ids: paddle.Tensor) -> paddle.Tensor:
+def residual(p: paddle.Tensor, q: paddle.Tensor | None, draft_ids: paddle.Tensor,
+             has_draft: paddle.Tensor | None = None) -> paddle.Tensor:
     """max(p - q, 0) per draft position (unnormalised). p: [B, k, V], q: [B, k, V] or None (one-hot).
+    has_draft: [B, k] bool; where False (a row that drafted fewer than k) the window ends there with a
+    plain draw, so the residual is p itself.
 
     NOTE: when p == q the residual is all zero, but then rejection has probability 0; fall back to p so
     the (never used) draw stays defined.
     """
+    if has_draft is not None:
+        return paddle.where(has_draft.unsqueeze(-1), residual(p, q, draft_ids), p)
     if q is None:
         idx = draft_ids.unsqueeze(-1)  # [B, k, 1]
         res = paddle.put_along_axis(p, idx, paddle.zeros_like(idx, dtype=p.dtype), axis=2,
@@ -84,16 +89,19 @@ def verify_greedy_numpy(target_ids: np.ndarray, draft_ids: np.ndarray) -> tuple[
 
 def verify_sampled(probs: paddle.Tensor, draft_ids: paddle.Tensor, draft_probs: paddle.Tensor | None,
                    u_accept: paddle.Tensor, u_sample: paddle.Tensor) -> VerifyResult:
-    """probs: [B, k+1, V] processed target distributions; draft_ids: [B, k]; draft_probs: [B, k, V]
-    or None for one-hot drafts; u_accept: [B, k], u_sample: [B, k+1] uniforms in (0, 1)."""
+    """probs: [B, k+1, V] processed target distributions; draft_ids: [B, k], -1 past a row's last
+    draft; draft_probs: [B, k, V] or None for one-hot drafts; u_accept: [B, k], u_sample: [B, k+1]
+    uniforms in (0, 1)."""
     k = draft_ids.shape[1]
-    p_draft = paddle.take_along_axis(probs[:, :k], draft_ids.unsqueeze(-1), axis=2).squeeze(-1)
+    has_draft = draft_ids >= 0
+    ids = paddle.clip(draft_ids, min=0).unsqueeze(-1)  # NOTE: a valid index; the coin below rejects it
+    p_draft = paddle.take_along_axis(probs[:, :k], ids, axis=2).squeeze(-1)
     if draft_probs is None:
         q_draft = paddle.ones_like(p_draft)
     else:
-        q_draft = paddle.take_along_axis(draft_probs, draft_ids.unsqueeze(-1), axis=2).squeeze(-1)
-    n = accepted_prefix(accept_coins(p_draft, q_draft, u_accept))
-    recovered = draw(residual(probs[:, :k], draft_probs, draft_ids), u_sample[:, :k])  # [B, k]
+        q_draft = paddle.take_along_axis(draft_probs, ids, axis=2).squeeze(-1)
+    n = accepted_prefix(accept_coins(p_draft, q_draft, u_accept) & has_draft)
+    recovered = draw(residual(probs[:, :k], draft_probs, ids.squeeze(-1), has_draft), u_sample[:, :k])
     bonus = draw(probs[:, k], u_sample[:, k]).unsqueeze(-1)  # [B, 1]
     return emit(paddle.concat([recovered, bonus], axis=1), draft_ids, n)
 

@@ -75,15 +75,36 @@ class StepPlan:
     # NOTE: MTP depth i at position t reads the token at t+i+1; near a chunk's end that token lies in
     # the next chunk, which only the host has.
     prefill_next_ids: np.ndarray  # [B, k] int64: the k prompt tokens after each prefill chunk, -1 past it
+    # NOTE: the speculation policy's choice (spec_policy.py): drafts each row proposes this step for its
+    # next window. The MTP proposer runs max(next_num_drafts) depths; 0 everywhere skips it.
+    next_num_drafts: np.ndarray  # [B] int64
 
     @property
     def num_rows(self) -> int:
         return int(self.slots.shape[0])
 
+    @property
+    def num_drafts(self) -> np.ndarray:
+        """[B] drafts each row verifies now: a decode window is its last token plus these."""
+        return np.where(self.is_prefill, 0, self.num_tokens - 1)
+
+    @property
+    def verify_width(self) -> int:
+        """Verify rows per plan row: one more than the longest window's drafts."""
+        return int(self.num_drafts.max(initial=0)) + 1
+
+    @property
+    def num_depths(self) -> int:
+        """MTP depths this step runs (the deepest draft any row needs next)."""
+        return int(self.next_num_drafts.max(initial=0))
+
     @classmethod
     def build(cls, step_id: int, plan: SchedulePlan, eos_token_ids: tuple[int, ...],
-              num_speculative_tokens: int = 0) -> StepPlan:
+              num_speculative_tokens: int = 0, next_num_drafts: np.ndarray | None = None) -> StepPlan:
+        """`next_num_drafts`: [B] the policy's choice; None: every row drafts num_speculative_tokens."""
         rows = plan.rows
+        if next_num_drafts is None:
+            next_num_drafts = np.full(len(rows), num_speculative_tokens, np.int64)
         chunks = [r.request.prefill_ids[r.start_pos:r.start_pos + r.num_tokens]
                   for r in rows if r.is_prefill]
         return cls(
@@ -96,7 +117,8 @@ class StepPlan:
             start_pos=np.fromiter((r.start_pos for r in rows), np.int64, len(rows)),
             emits=np.fromiter((r.emits for r in rows), bool, len(rows)),
             prefill_ids=np.concatenate(chunks) if chunks else np.zeros(0, np.int64),
-            prefill_next_ids=_next_ids(rows, num_speculative_tokens))
+            prefill_next_ids=_next_ids(rows, num_speculative_tokens),
+            next_num_drafts=next_num_drafts)
 
 
 def _next_ids(rows, k: int) -> np.ndarray:
@@ -122,10 +144,11 @@ class StepResult(NamedTuple):
     """Device -> host, one entry per plan row (numpy, copied off the device in one transfer)."""
 
     step_id: int
-    token_ids: np.ndarray  # [B, k+1] int64: emitted tokens of each row, -1 after the last
+    token_ids: np.ndarray  # [B, W] int64: emitted tokens of each row, -1 after the last (W = verify_width)
     num_emitted: np.ndarray  # [B] int64: 0 for non-emitting or invalid rows
     num_accepted: np.ndarray  # [B] int64: drafts the verifier accepted (before stop truncation)
     finish_reason: np.ndarray  # [B] uint8 (request.FinishReason)
     is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
     logprobs: LogprobRows | None = None  # only when some row's request asked for logprobs
     drafts: np.ndarray | None = None  # [B, k] int64: each row's next drafts (MTP on; a PD prefill sends them)
+    seconds: float = 0.0  # the step's device execution time (the policy's cost model learns from it)

@@ -101,7 +101,7 @@ class SyntheticRunner:
         self._busy += end - start
         self._steps.append((start, end))
         self._free_at = end
-        return result
+        return result._replace(seconds=end - start)
 
     def _step(self, plan: StepPlan) -> StepResult:
         self.state.apply_writes(plan)
@@ -131,19 +131,19 @@ class SyntheticRunner:
 
     def _verify(self, plan: StepPlan, win: Window, targets: np.ndarray):
         """Greedy verification of each decode window; a prefill row emits its last target."""
-        k = self.num_speculative_tokens
+        k = plan.verify_width - 1
         last = win.cu[1:] - 1
-        idx = np.minimum(win.cu[:-1, None] + np.arange(k + 1)[None, :], len(targets) - 1)
+        idx = win.verify_index(plan.is_prefill, k + 1)
         window_targets = np.where(plan.is_prefill[:, None], -1, targets[idx])  # [B, k+1]
-        drafts = self.state.drafts[plan.slots]  # [B, k]
-        match = drafts == window_targets[:, :k]
+        drafts = self.state.drafts[plan.slots, :k]  # [B, k]
+        match = (drafts == window_targets[:, :k]) & (np.arange(k)[None, :] < plan.num_drafts[:, None])
         num_accepted = np.where(plan.is_prefill, 0, np.cumprod(match, axis=1).sum(axis=1))
         window_targets[:, 0] = np.where(plan.is_prefill, targets[last], window_targets[:, 0])
         return window_targets, num_accepted + 1, num_accepted
 
     def _propose(self, plan: StepPlan, win: Window, values, num_emitted, reason) -> None:
         """Drafts for the next window, following the target chain with the configured accuracy."""
-        k = self.num_speculative_tokens
+        k = plan.num_depths
         live = (num_emitted > 0) & (reason == 0)
         if k == 0 or not live.any():
             return

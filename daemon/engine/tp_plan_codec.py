@@ -53,7 +53,7 @@ class WirePlan(msgspec.Struct, array_like=True, frozen=True):
 
 
 _ARRAY_FIELDS = ("slots", "is_prefill", "num_tokens", "start_pos", "emits", "prefill_ids",
-                 "prefill_next_ids")
+                 "prefill_next_ids", "next_num_drafts")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WirePlan)
 

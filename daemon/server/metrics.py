@@ -7,8 +7,13 @@ cumulative in EngineStats; `observe_engine_stats` turns them into counter increm
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.ipc.request_channel import EngineStats
@@ -68,6 +73,7 @@ class ServerMetrics:
         self.num_accepted = self._counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafts.").labels(m)
         self.accepted_per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                               "Accepted drafts by draft position.", ("position",))
+        self._init_speculation()
         self.http_active = self._gauge("mtpserve:http_requests_active", "Engine requests in flight.").labels(m)
         self.engine_counters = {
             "num_preemptions": self._counter("vllm:num_preemptions", "Running requests preempted to free KV "
@@ -76,6 +82,20 @@ class ServerMetrics:
                                                 "finished, aborted or were preempted after launch.").labels(m),
         }
         self._init_pd()
+
+    def _init_speculation(self) -> None:
+        """The adaptive policy (docs/speculation.md): what it chose, how drafts fare, how well it predicts."""
+        m = self._model
+        self.acceptance_rate = Gauge("mtpserve:spec_decode_acceptance_rate", "Accepted / drafted, by draft "
+                                     "position (since start).", [*self._labels(), "position"],
+                                     registry=self.registry)
+        self.spec_seconds = {
+            "spec_predicted_seconds": self._counter("mtpserve:spec_step_predicted_seconds", "Step time the "
+                                                    "policy's cost model predicted.").labels(m),
+            "spec_measured_seconds": self._counter("mtpserve:spec_step_measured_seconds", "Device time of "
+                                                   "the same steps.").labels(m),
+        }
+        self.registry.register(_ChosenDrafts(self))
 
     def _init_output_path(self) -> None:
         """The HTTP process's reader of the output path (ipc/output_reader.py): what it refused or missed."""
@@ -115,8 +135,11 @@ class ServerMetrics:
         for pos, total in enumerate(stats.num_accepted_per_pos):
             before = last.num_accepted_per_pos[pos] if pos < len(last.num_accepted_per_pos) else 0
             self.accepted_per_pos.labels(self._model, str(pos)).inc(max(total - before, 0))
+        for pos, drafted in enumerate(stats.num_drafted_per_pos):
+            accepted = stats.num_accepted_per_pos[pos] if pos < len(stats.num_accepted_per_pos) else 0
+            self.acceptance_rate.labels(self._model, str(pos)).set(accepted / max(drafted, 1))
         self.kv_held.set(stats.num_kv_held)
-        for name, counter in (self.pd_counters | self.engine_counters).items():
+        for name, counter in (self.pd_counters | self.engine_counters | self.spec_seconds).items():
             counter.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self._last_stats = stats
 
@@ -138,3 +161,22 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ChosenDrafts(Collector):
+    """mtpserve:spec_decode_chosen_drafts: a histogram of the drafts the policy gave each row, built from
+    the engine's cumulative counts per value (observing each row here would replay thousands a second)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily("mtpserve:spec_decode_chosen_drafts", "Drafts the speculation policy "
+                                       "gave each row's next window.", labels=["model_name"])
+        stats = self.metrics._last_stats
+        counts = stats.num_rows_by_drafts if stats is not None else []
+        cumulative = np.cumsum(counts).tolist() if counts else [0]
+        buckets = [(str(k), c) for k, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])]
+        total = float(sum(k * c for k, c in enumerate(counts)))
+        family.add_metric([self.metrics._model], buckets, total)
+        yield family

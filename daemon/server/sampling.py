@@ -43,6 +43,7 @@ _RANGE_CHECKS: list[Check] = [
     ("min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
     ("seed", lambda v: -_INT64_MAX - 1 <= v <= _INT64_MAX, "must fit in a signed 64-bit integer"),
     ("min_tokens", lambda v: v >= 0, "must be non-negative"),
+    ("max_draft_tokens", lambda v: v >= 0, "must be non-negative (0 turns drafting off)"),
     ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
     ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
     ("repetition_penalty", lambda v: 0.0 < v <= 10.0, "must be in (0, 10]"),
@@ -166,6 +167,7 @@ def _sampling_knobs(req: SamplingFields, vocab_size: int) -> dict:
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+        max_draft_tokens=req.max_draft_tokens,
     )
 
 

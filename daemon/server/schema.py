@@ -55,6 +55,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     skip_special_tokens: bool | None = None  # vLLM extension, default true
     include_stop_str_in_output: bool | None = None  # vLLM extension, default false
+    max_draft_tokens: int | None = None  # mtpserve extension: cap this request's drafts (0: none)
     # Accepted so that a request using them is refused by name instead of silently served without
     # them (sampling.check_unsupported); unknown extra fields are ignored, as OpenAI does.
     best_of: int | None = None

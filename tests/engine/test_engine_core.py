@@ -13,13 +13,14 @@ from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
 VOCAB, EOS = 500, 0
 
 
-def make_core(k=0, overlap=True, num_blocks=512, max_num_seqs=16, chunk=16, rate=0.7):
+def make_core(k=0, overlap=True, num_blocks=512, max_num_seqs=16, chunk=16, rate=0.7, adaptive=True):
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_prefill_chunk=chunk,
                             num_speculative_tokens=k, num_blocks=num_blocks, block_size=4)
     runner = SyntheticRunner(SyntheticConfig(step_time_s=0.0, acceptance_rate=rate, vocab_size=VOCAB,
                                              num_speculative_tokens=k, max_num_seqs=max_num_seqs,
                                              num_blocks=num_blocks, block_size=4))
-    return EngineCore(CoreConfig(sched, overlap=overlap, eos_token_ids=(EOS,)), runner)
+    return EngineCore(CoreConfig(sched, overlap=overlap, eos_token_ids=(EOS,), adaptive_speculation=adaptive),
+                      runner)
 
 
 def prompts(n, seed=0):
@@ -95,7 +96,7 @@ def test_batch_16_with_overlap_equals_batch_1(reference, k):
 
 def test_acceptance_counters_follow_the_configured_rate():
     texts = prompts(16, seed=3)
-    core = make_core(k=2, rate=0.5)
+    core = make_core(k=2, rate=0.5, adaptive=False)  # every window drafts 2: the rates are the runner's
     per_request = {}
     for r in requests_for(texts, max_tokens=200, ignore_eos=True):
         core.add_request(r)

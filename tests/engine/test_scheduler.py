@@ -93,6 +93,7 @@ def test_decode_reserves_k_plus_1_per_inflight_window():
     sched.add(req)
     first = sched.schedule()  # prefill 8 -> 2 blocks
     assert len(req.block_ids) == 2
+    req.num_drafts = k  # what the speculation policy chose for its first window
     second = sched.schedule()  # decode window planned while the prefill is in flight
     assert second.rows[0].num_tokens == k + 1 and not second.rows[0].is_prefill
     assert len(req.block_ids) == -(-(8 + k + 1) // bs)

@@ -130,3 +130,29 @@ def test_numpy_greedy_verify_matches_the_paddle_one():
     ref = verify_greedy(paddle.to_tensor(target), paddle.to_tensor(drafts))
     tokens, accepted = verify_greedy_numpy(target, drafts)
     assert (tokens == ref.token_ids.numpy()).all() and (accepted == ref.num_accepted.numpy()).all()
+
+
+def mixed_lengths(drafts: paddle.Tensor, seed: int) -> paddle.Tensor:
+    """Each row keeps its first 0..K drafts (as the speculation policy chooses per request); -1 after."""
+    gen = np.random.default_rng(seed)
+    keep = gen.integers(0, K + 1, drafts.shape[0])
+    return paddle.to_tensor(np.where(np.arange(K)[None, :] < keep[:, None], drafts.numpy(), -1))
+
+
+def test_windows_of_mixed_lengths_preserve_the_target_distribution():
+    """A row that drafted fewer than K ends its window with a plain draw from p where its drafts end."""
+    p, P, Q, drafts, u_acc, u_smp = make_case(4)
+    result = verify_sampled(P, mixed_lengths(drafts, 4), Q, u_acc, u_smp)
+    assert passes(distribution_problems(result.token_ids.numpy(), p, positions=2, samples=50_000))
+
+
+def test_ending_a_short_window_with_the_residual_fails_the_same_test():
+    p, P, Q, drafts, u_acc, u_smp = make_case(4)
+    short = mixed_lengths(drafts, 4)
+    has_draft = short >= 0
+    p_d = paddle.take_along_axis(P[:, :K], paddle.clip(short, min=0).unsqueeze(-1), 2).squeeze(-1)
+    q_d = paddle.take_along_axis(Q, paddle.clip(short, min=0).unsqueeze(-1), 2).squeeze(-1)
+    n = accepted_prefix(accept_coins(p_d, q_d, u_acc) & has_draft)
+    wrong = draw(residual(P[:, :K], Q, paddle.clip(short, min=0)), u_smp[:, :K])  # no has_draft: wrong
+    result = emit(paddle.concat([wrong, draw(P[:, K], u_smp[:, K]).unsqueeze(-1)], 1), short, n)
+    assert not passes(distribution_problems(result.token_ids.numpy(), p, positions=2, samples=50_000))

@@ -26,7 +26,8 @@ def plan() -> StepPlan:
                     slots=np.array([3, 5, 1], np.int64), is_prefill=np.array([True, True, False]),
                     num_tokens=np.array([16, 4, 3], np.int64), start_pos=np.array([0, 16, 0], np.int64),
                     emits=np.array([False, True, True]), prefill_ids=np.arange(20, dtype=np.int64),
-                    prefill_next_ids=np.array([[20, 21], [-1, -1], [-1, -1]], np.int64))
+                    prefill_next_ids=np.array([[20, 21], [-1, -1], [-1, -1]], np.int64),
+                    next_num_drafts=np.array([0, 2, 1], np.int64))
 
 
 def assert_same(a, b) -> None:
@@ -54,7 +55,8 @@ def test_empty_plan_round_trips():
     empty = StepPlan(step_id=0, inserts=(), block_writes=(), slots=np.zeros(0, np.int64),
                      is_prefill=np.zeros(0, bool), num_tokens=np.zeros(0, np.int64),
                      start_pos=np.zeros(0, np.int64), emits=np.zeros(0, bool),
-                     prefill_ids=np.zeros(0, np.int64), prefill_next_ids=np.zeros((0, 2), np.int64))
+                     prefill_ids=np.zeros(0, np.int64), prefill_next_ids=np.zeros((0, 2), np.int64),
+                     next_num_drafts=np.zeros(0, np.int64))
     assert_same(decode_plan(encode_plan(empty)), empty)
 
 

@@ -86,9 +86,17 @@ def run_rank(model_dir: Path, out_dir: Path, rank: int) -> None:
     np.savez(out_dir / f"rank{rank}.npz", **stacked(results))  # pyright: ignore[reportArgumentType]
 
 
+def _same_width(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Token columns padded with -1 to the widest step's (each step verifies as wide as its windows)."""
+    if arrays[0].ndim < 2:
+        return arrays
+    width = max(a.shape[1] for a in arrays)
+    return [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1) for a in arrays]
+
+
 def stacked(results: list) -> dict[str, np.ndarray]:
     """Every step's results end to end (rows of all steps), and the emitted tokens' logprobs."""
-    out = {name: np.concatenate([getattr(r, name) for r in results]) for name in FIELDS}
+    out = {name: np.concatenate(_same_width([getattr(r, name) for r in results])) for name in FIELDS}
     with_lp = [r.logprobs for r in results if r.logprobs is not None]
     out["token_logprobs"] = np.concatenate([lp.token_logprobs.ravel() for lp in with_lp])
     out["top_logprobs"] = np.concatenate([lp.top_logprobs.ravel() for lp in with_lp])

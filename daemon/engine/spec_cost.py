@@ -1,0 +1,51 @@
+"""The step-time model the speculation policy plans with, learned on the device it runs on.
+
+Features of a step: 1, target-pass tokens, verify rows (rows x widest window), MTP tokens (depths x
+tokens). Seconds are the device's own execution time of the step (StepResult.seconds). Recursive least
+squares with forgetting keeps the fit current as contexts grow and the machine's load changes; a short
+profile at start-up (rank_setup.profile_steps) gives it every shape before the first client does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpserve.engine.spec_policy import StepCost
+
+# NOTE: features are scaled to similar magnitudes so one forgetting factor and prior suit them all
+_SCALE = np.array([1.0, 1e-2, 1e-2, 1e-2])
+_FORGET = 0.995  # weight of a sample halves after ~140 steps
+_PRIOR_VARIANCE = 1e2
+# A CPU-sized guess (seconds) used until samples arrive: 2 ms a step, 0.2 ms a token, 20 us a verify row,
+# 0.05 ms an MTP token.
+_PRIOR = StepCost(2e-3, 2e-4, 2e-5, 5e-5)
+
+
+def features(num_tokens: float, num_rows: int, width: int, depths: int) -> np.ndarray:
+    return np.array([1.0, num_tokens, num_rows * width, depths * num_tokens]) * _SCALE
+
+
+class StepCostModel:
+    def __init__(self, prior: StepCost = _PRIOR) -> None:
+        self.theta = np.array(prior) / _SCALE  # coefficients of the scaled features
+        self.covariance = np.eye(4) * _PRIOR_VARIANCE
+        self.num_samples = 0
+        self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
+        self.measured_seconds = 0.0
+
+    def cost(self) -> StepCost:
+        """The current coefficients, never negative (a negative cost would invite drafting for free)."""
+        return StepCost(*np.maximum(self.theta * _SCALE, 0.0).tolist())
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(max(x @ self.theta, 0.0))
+
+    def observe(self, x: np.ndarray, seconds: float) -> None:
+        """One measured step: x from `features`, its device seconds."""
+        self.predicted_seconds += self.predict(x)
+        self.measured_seconds += seconds
+        px = self.covariance @ x
+        gain = px / (_FORGET + x @ px)
+        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        self.covariance = (self.covariance - np.outer(gain, px)) / _FORGET
+        self.num_samples += 1
