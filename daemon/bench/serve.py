@@ -22,7 +22,9 @@ from pathlib import Path
 import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, send_request
+from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
 from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, plot_compare, summarize
+from mtpserve.bench.serve_step_load import format_step_load, step_load
 
 CHARS_PER_TOKEN = 3.5  # code under a small byte-level BPE; prompt lengths are approximate
 
@@ -59,6 +61,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "serve-compare.png in --plot-dir")
     p.add_argument("--server-pid", type=int, default=None,
                    help="also report this local process's CPU time per streamed token (Linux /proc)")
+    p.add_argument("--launch", nargs="+", default=None, metavar="LABEL=FLAGS",
+                   help="start one `mtpserve serve` per entry with these flags (instead of --base-url) and "
+                   "visit them in turn at every level, e.g. 'k0=--num-speculative-tokens 0' "
+                   "'adaptive=--num-speculative-tokens 3'; prints each one's throughput ratios")
+    p.add_argument("--step-load", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="instead of levels: streams alternate between LOW and HIGH every --step-period "
+                   "seconds for --duration seconds (serve_step_load.py)")
+    p.add_argument("--step-period", type=float, default=10.0)
+    p.add_argument("--duration", type=float, default=120.0)
     p.set_defaults(func=run)
 
 
@@ -67,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         reports = {path.stem: json.loads(path.read_text()) for path in args.compare}
         print(f"plot: {plot_compare(reports, (args.plot_dir or Path('.')) / 'serve-compare.png')}")
         return 0
-    report = asyncio.run(run_all(args))
+    report = asyncio.run(run_launched(args) if args.launch else run_all(args))
     args.out.write_text(json.dumps(report, indent=2))
     print(f"JSON: {args.out}")
     for path in report["plots"]:
@@ -75,12 +86,64 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["failed"] == 0 for r in report["runs"]) else 1
 
 
-async def run_all(args: argparse.Namespace) -> dict:
+async def run_launched(args: argparse.Namespace) -> dict:
+    """Every --launch instance up at once; each level (or the step load) visits them in turn."""
+    instances = start_all(args.launch)
+    try:
+        async with _session(args) as session:
+            model = args.model or await _first_model(session, instances[0].url)
+            if args.step_load:
+                return await _step_load_all(session, args, model, instances)
+            prompts, runs, levels = make_prompts(args), [], {}
+            for concurrency in args.concurrency:
+                for instance in instances:
+                    summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
+                    print(format_run(f"{instance.label} concurrency {concurrency}", summary), flush=True)
+                    runs.append({"label": instance.label, "concurrency": concurrency, "summary": summary})
+                    levels.setdefault(concurrency, {})[instance.label] = summary
+    finally:
+        stop_all(instances)
+    table = comparison(levels)
+    print(format_comparison(table), flush=True)
+    return {"benchmark": "serve", "launch": args.launch, "model": model, "config": _config(args), "runs": runs,
+            "comparison": table, "plots": []}
+
+
+async def _step_load_all(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
+                         instances: list[Instance]) -> dict:
+    runs = []
+    for instance in instances:
+        report = await _step_load(session, _at(args, instance.url), model)
+        print(format_step_load(instance.label, report), flush=True)
+        runs.append({"label": instance.label, "summary": report})
+    return {"benchmark": "serve-step-load", "launch": args.launch, "model": model, "config": _config(args),
+            "runs": runs, "plots": []}
+
+
+async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
+    low, high = args.step_load
+    bodies = [request_body(args, model, p) for p in make_prompts(args)]
+    return await step_load(session, _url(args), bodies, low, high, args.step_period, args.duration)
+
+
+def _at(args: argparse.Namespace, url: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "base_url": url})
+
+
+def _session(args: argparse.Namespace) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+async def run_all(args: argparse.Namespace) -> dict:
+    async with _session(args) as session:
         model = args.model or await _first_model(session, args.base_url)
+        if args.step_load:
+            report = await _step_load(session, args, model)
+            print(format_step_load(args.base_url, report), flush=True)
+            return {"benchmark": "serve-step-load", "base_url": args.base_url, "model": model,
+                    "config": _config(args), "runs": [{"label": args.base_url, "summary": report}], "plots": []}
         prompts = make_prompts(args)
         runs = []
         for concurrency in args.concurrency:
@@ -94,7 +157,8 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 def _config(args: argparse.Namespace) -> dict:
     keep = ("endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio", "concurrency",
-            "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs")
+            "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
+            "duration")
     return {k: getattr(args, k) for k in keep}
 
 

@@ -1,0 +1,105 @@
+"""Instances `mtpserve bench serve --launch LABEL=ARGS` starts itself, so configurations are compared side
+by side in one run: every instance is up for the whole run and each level visits them in turn, so a noisy
+minute of the machine lands on all of them alike.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass
+class Instance:
+    label: str
+    url: str
+    proc: subprocess.Popen
+
+    @classmethod
+    def start(cls, spec: str) -> Instance:
+        """spec: "LABEL=serve flags", e.g. "k0=--num-speculative-tokens 0 --speculative-adaptive false"."""
+        label, _, flags = spec.partition("=")
+        port = _free_port()
+        argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance",
+                f"bench-{label}-{uuid.uuid4().hex[:6]}", "--log-level", "warning", *shlex.split(flags)]
+        return cls(label, f"http://127.0.0.1:{port}", subprocess.Popen(argv))
+
+    def wait_healthy(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"instance {self.label} exited during start ({self.proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instance {self.label} not healthy in {timeout_s} s")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def start_all(specs: list[str]) -> list[Instance]:
+    instances = [Instance.start(spec) for spec in specs]
+    try:
+        for instance in instances:
+            instance.wait_healthy()
+    except BaseException:
+        stop_all(instances)
+        raise
+    return instances
+
+
+def stop_all(instances: list[Instance]) -> None:
+    for instance in instances:
+        instance.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def comparison(levels: dict[int, dict[str, dict]]) -> list[dict]:
+    """Per concurrency and label: output tok/s and its ratio to the first label and to the best other."""
+    rows = []
+    for concurrency, by_label in levels.items():
+        rates = {label: s["output_throughput"] for label, s in by_label.items()}
+        first = next(iter(rates.values()))
+        for label, rate in rates.items():
+            others = [r for other, r in rates.items() if other != label]
+            rows.append({"concurrency": concurrency, "label": label, "output_throughput": rate,
+                         "ratio_to_first": rate / first if first else None,
+                         "ratio_to_best_other": rate / max(others) if others and max(others) else None})
+    return rows
+
+
+def format_comparison(rows: list[dict]) -> str:
+    lines = [f"{'conc':>5} {'label':<14} {'out tok/s':>10} {'/first':>7} {'/best other':>11}"]
+    for r in rows:
+        lines.append(f"{r['concurrency']:>5} {r['label']:<14} {r['output_throughput']:>10.1f} "
+                     f"{_ratio(r['ratio_to_first']):>7} {_ratio(r['ratio_to_best_other']):>11}")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
