@@ -110,15 +110,14 @@ class OutputChannel:
         return cls(_address(instance, ring), ring, owner=False)
 
     def is_removed(self) -> bool:
-        """True once the owner removed the channel (closed flag, or the queue is gone)."""
-        if self.ring.get("closed"):
+        """True once the owner removed the channel (closed flag) or died, or the SysV queue is gone.
+
+        NOTE: a POSIX queue whose name someone unlinked still works through every descriptor already
+        open (the kernel frees it with the last one), so the instance keeps serving on it."""
+        if self.ring.get("closed") or not owner_alive(self.ring):
             return True
         if self.address.transport is wire.Transport.SYSV:
             return sysv.find(self.address.sysv_key) is None
-        try:
-            posix_ipc.MessageQueue(self.address.queue_name).close()
-        except posix_ipc.ExistentialError:
-            return True
         return False
 
     def remove(self) -> None:

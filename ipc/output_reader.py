@@ -5,9 +5,10 @@
 2. SysV: one daemon thread blocks in msgrcv (ctypes releases the GIL), assembles and decodes, and
    hands each frame to the loop with call_soon_threadsafe.
 3. Both: bad messages are counted (stats.rejected) and skipped; the reader keeps going.
-4. A removed queue (SysV msgrcv fails with EIDRM; POSIX: the ring's closed flag or the queue's name
-   is gone, polled every liveness_interval seconds) marks the engine dead: get() raises EngineDead,
-   and the HTTP side answers 503 instead of waiting forever.
+4. A removed channel (SysV msgrcv fails with EIDRM; both: the ring's closed flag, a dead owner or a
+   SysV queue gone, polled every liveness_interval seconds) marks the engine dead: get() raises
+   EngineDead, the HTTP side answers 503 instead of waiting forever, and the HTTP process exits so the
+   supervisor restarts the instance. A POSIX queue whose name was unlinked keeps working.
 5. Back-pressure reaches the engine: at most max_buffered decoded frames wait for get(). Past that the
    POSIX reader leaves the descriptor alone and the SysV thread waits, so the queue and the ring fill
    and the engine's send op reports pending frames (and pauses) instead of this process buffering

@@ -95,15 +95,16 @@ async def run_launched(args: argparse.Namespace) -> dict:
             if args.step_load:
                 return await _step_load_all(session, args, model, instances)
             prompts, runs, levels = make_prompts(args), [], {}
-            for concurrency in args.concurrency:
-                for instance in instances:
+            for n, concurrency in enumerate(args.concurrency):
+                # NOTE: each level starts with the next instance, so no configuration always goes first
+                for instance in instances[n % len(instances):] + instances[:n % len(instances)]:
                     summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
                     print(format_run(f"{instance.label} concurrency {concurrency}", summary), flush=True)
                     runs.append({"label": instance.label, "concurrency": concurrency, "summary": summary})
                     levels.setdefault(concurrency, {})[instance.label] = summary
     finally:
         stop_all(instances)
-    table = comparison(levels)
+    table = comparison(levels, [instance.label for instance in instances])
     print(format_comparison(table), flush=True)
     return {"benchmark": "serve", "launch": args.launch, "model": model, "config": _config(args), "runs": runs,
             "comparison": table, "plots": []}

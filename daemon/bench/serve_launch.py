@@ -21,15 +21,16 @@ class Instance:
     label: str
     url: str
     proc: subprocess.Popen
+    name: str  # the instance name (--instance): it keys the IPC objects
 
     @classmethod
     def start(cls, spec: str) -> Instance:
         """spec: "LABEL=serve flags", e.g. "k0=--num-speculative-tokens 0 --speculative-adaptive false"."""
         label, _, flags = spec.partition("=")
-        port = _free_port()
-        argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance",
-                f"bench-{label}-{uuid.uuid4().hex[:6]}", "--log-level", "warning", *shlex.split(flags)]
-        return cls(label, f"http://127.0.0.1:{port}", subprocess.Popen(argv))
+        port, name = _free_port(), f"bench-{label}-{uuid.uuid4().hex[:6]}"
+        argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance", name,
+                "--log-level", "warning", *shlex.split(flags)]
+        return cls(label, f"http://127.0.0.1:{port}", subprocess.Popen(argv), name)
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -79,11 +80,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def comparison(levels: dict[int, dict[str, dict]]) -> list[dict]:
-    """Per concurrency and label: output tok/s and its ratio to the first label and to the best other."""
+def comparison(levels: dict[int, dict[str, dict]], labels: list[str]) -> list[dict]:
+    """Per concurrency and label (in `labels` order): output tok/s and its ratio to the first label and to
+    the best other."""
     rows = []
     for concurrency, by_label in levels.items():
-        rates = {label: s["output_throughput"] for label, s in by_label.items()}
+        rates = {label: by_label[label]["output_throughput"] for label in labels}
         first = next(iter(rates.values()))
         for label, rate in rates.items():
             others = [r for other, r in rates.items() if other != label]

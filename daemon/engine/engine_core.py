@@ -45,6 +45,7 @@ class Launched(NamedTuple):
     plan: SchedulePlan
     cost_features: np.ndarray
     future: concurrent.futures.Future[StepResult]
+    launched_at: float  # perf_counter
 
 
 R = TypeVar("R", bound=ModelRunner)  # the runner's own type, for callers that reach into it (tests, PD)
@@ -70,6 +71,7 @@ class EngineCore(Generic[R]):
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.wait_seconds = 0.0  # host time blocked on device results in `step()`
+        self._last_finish = 0.0  # perf_counter of the last finished step
         self.num_discarded_rows = 0  # rows computed for requests already finished/aborted/preempted
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class EngineCore(Generic[R]):
             step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
                                        self.config.scheduler.num_speculative_tokens, drafts)
             self._inflight.append(Launched(plan, self.speculation.features(plan, drafts),
-                                           self.runner.launch(step_plan)))
+                                           self.runner.launch(step_plan), time.perf_counter()))
         if self._inflight and (len(self._inflight) >= self._depth or plan.is_empty):
             return self._inflight[0].future
         return None
@@ -151,8 +153,17 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        self.speculation.observe(launched.cost_features, result.seconds)
+        self.speculation.observe(launched.cost_features, self._period(launched))
         return self.connector.after_step(self._collect(launched.plan, result, out))
+
+    def _period(self, launched: Launched) -> float:
+        """What the step cost the engine's throughput: the time from the previous step's finish (or its
+        own launch, after an idle spell) to its finish. NOTE: not the device time alone: on a CPU host the
+        host loop and the HTTP process take the same cores, and what a draft saves is whole periods."""
+        now = time.perf_counter()
+        period = now - max(launched.launched_at, self._last_finish)
+        self._last_finish = now
+        return period
 
     def _collect(self, plan: SchedulePlan, result: StepResult, out: Emitter) -> StepEmission:
         """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""

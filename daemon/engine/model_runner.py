@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import time
 
 import numpy as np
 import paddle
@@ -75,10 +74,6 @@ class PaddleModelRunner:
     # ---- device side ----------------------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        begin = time.perf_counter()
-        return self._run_step(plan)._replace(seconds=time.perf_counter() - begin)
-
-    def _run_step(self, plan: StepPlan) -> StepResult:
         with paddle.no_grad():
             self.state.apply_writes(plan)
             self.sampling.apply_inserts(plan)

@@ -1,9 +1,10 @@
-"""The step-time model the speculation policy plans with, learned on the device it runs on.
+"""The step-time model the speculation policy plans with, learned on the machine it runs on.
 
-Features of a step: 1, target-pass tokens, verify rows (rows x widest window), MTP tokens (depths x
-tokens). Seconds are the device's own execution time of the step (StepResult.seconds). Recursive least
-squares with forgetting keeps the fit current as contexts grow and the machine's load changes; a short
-profile at start-up (rank_setup.profile_steps) gives it every shape before the first client does.
+Features of a step: 1, target-pass tokens, verify rows (rows x widest window), MTP depths run, MTP tokens
+(depths x tokens). What is fitted is the step's period as the engine lives it (engine_core._period: from
+the previous step's finish to this one's), so host work that shares the device's cores counts. Recursive
+least squares with forgetting keeps the fit current as contexts grow and the machine's load changes; a
+short profile at start-up (rank_setup.profile_steps) shows it every shape before the first client does.
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import numpy as np
 from mtpserve.engine.spec_policy import StepCost
 
 # NOTE: features are scaled to similar magnitudes so one forgetting factor and prior suit them all
-_SCALE = np.array([1.0, 1e-2, 1e-2, 1e-2])
+_SCALE = np.array([1.0, 1e-2, 1e-2, 1.0, 1e-2])
 _FORGET = 0.995  # weight of a sample halves after ~140 steps
 _PRIOR_VARIANCE = 1e2
 # A CPU-sized guess (seconds) used until samples arrive: 2 ms a step, 0.2 ms a token, 20 us a verify row,
-# 0.05 ms an MTP token.
-_PRIOR = StepCost(2e-3, 2e-4, 2e-5, 5e-5)
+# 0.5 ms an MTP depth, 0.05 ms an MTP token.
+_PRIOR = StepCost(2e-3, 2e-4, 2e-5, 5e-4, 5e-5)
 
 
 def features(num_tokens: float, num_rows: int, width: int, depths: int) -> np.ndarray:
-    return np.array([1.0, num_tokens, num_rows * width, depths * num_tokens]) * _SCALE
+    return np.array([1.0, num_tokens, num_rows * width, depths, depths * num_tokens]) * _SCALE
 
 
 class StepCostModel:
     def __init__(self, prior: StepCost = _PRIOR) -> None:
         self.theta = np.array(prior) / _SCALE  # coefficients of the scaled features
-        self.covariance = np.eye(4) * _PRIOR_VARIANCE
+        self.covariance = np.eye(5) * _PRIOR_VARIANCE
         self.num_samples = 0
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
@@ -41,7 +42,7 @@ class StepCostModel:
         return float(max(x @ self.theta, 0.0))
 
     def observe(self, x: np.ndarray, seconds: float) -> None:
-        """One measured step: x from `features`, its device seconds."""
+        """One measured step: x from `features`, its period in seconds."""
         self.predicted_seconds += self.predict(x)
         self.measured_seconds += seconds
         px = self.covariance @ x

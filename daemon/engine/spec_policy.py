@@ -2,8 +2,8 @@
 
 A window of k drafts whose depth-i draft is accepted with probability a_i (given the drafts before it
 were) emits E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i tokens. A step costs, by the cost model
-(spec_cost.py), c0 + c_tok * tokens + c_row * verify rows + c_mtp * depths * tokens. The policy picks
-the drafts k_r of every row, all <= the step's depth D <= K, to maximise the step's expected tokens per
+(spec_cost.py), c0 + c_tok * tokens + c_row * verify rows + (c_depth + c_mtp * tokens) * depths. The
+policy picks the drafts k_r of every row, all <= the step's depth D <= K, to maximise the step's expected tokens per
 second: sum_r E_r(k_r) / cost(k). For a fixed D the ratio is maximised by Dinkelbach's iteration (each
 row takes the k that maximises E_r(k) - lambda * its share of the cost, then lambda becomes the new
 ratio); D itself is tried from 0 to K. B rows, K+1 depths, a few iterations: microseconds.
@@ -24,11 +24,12 @@ class StepCost(NamedTuple):
     base: float  # per step
     per_token: float  # per token of the target pass
     per_verify_row: float  # per row of target logits (rows x the widest window)
+    per_depth: float  # per MTP depth run, whatever its tokens (dispatch, the draft head)
     per_mtp_token: float  # per token of each MTP depth run
 
     def seconds(self, num_tokens: float, num_rows: int, width: int, depths: int) -> float:
         return (self.base + self.per_token * num_tokens + self.per_verify_row * num_rows * width
-                + self.per_mtp_token * depths * num_tokens)
+                + (self.per_depth + self.per_mtp_token * num_tokens) * depths)
 
 
 def expected_tokens(acceptance: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ from mtpserve.engine.spec_cost import StepCostModel, features
 from mtpserve.engine.spec_policy import choose_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
 
+EXPLORE_EVERY = 16
+
 
 class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool) -> None:
@@ -30,6 +32,7 @@ class Speculation:
         self.cost = StepCostModel()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
+        self._steps = 0
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -39,7 +42,7 @@ class Speculation:
         elif not self.adaptive:
             drafts = caps
         else:
-            drafts = self._policy(plan, caps)
+            drafts = self._explore(self._policy(plan, caps), caps, plan)
         for row, k in zip(plan.rows, drafts.tolist()):
             row.request.num_drafts = k
         np.add.at(self.rows_by_drafts, drafts, 1)
@@ -80,6 +83,20 @@ class Speculation:
         other = sum(row.num_tokens for row in plan.rows if not row.emits)
         drafts[emits] = choose_drafts(rates, caps[emits], self.cost.cost(), other, drafts[emits])
         return drafts
+
+    def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
+        """One step in EXPLORE_EVERY drafts one more, the next such step one fewer, than the policy chose.
+
+        NOTE: at a steady load the policy picks the same shapes step after step, and a least-squares fit
+        cannot tell what a depth costs from samples that all ran the same depths: its estimate would
+        drift with the noise and nothing would correct it. A little variation keeps the cost of the
+        neighbouring choices measured, at a cost of a fraction of the steps it runs."""
+        self._steps += 1
+        if self._steps % EXPLORE_EVERY:
+            return drafts
+        delta = 1 if self._steps % (2 * EXPLORE_EVERY) else -1
+        free = np.array([row.emits and not _is_seeded_sample(row.request) for row in plan.rows])
+        return np.where(free, np.clip(drafts + delta, 0, caps), drafts)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

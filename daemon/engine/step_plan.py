@@ -151,4 +151,3 @@ class StepResult(NamedTuple):
     is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
     logprobs: LogprobRows | None = None  # only when some row's request asked for logprobs
     drafts: np.ndarray | None = None  # [B, k] int64: each row's next drafts (MTP on; a PD prefill sends them)
-    seconds: float = 0.0  # the step's device execution time (the policy's cost model learns from it)

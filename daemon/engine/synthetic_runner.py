@@ -101,7 +101,7 @@ class SyntheticRunner:
         self._busy += end - start
         self._steps.append((start, end))
         self._free_at = end
-        return result._replace(seconds=end - start)
+        return result
 
     def _step(self, plan: StepPlan) -> StepResult:
         self.state.apply_writes(plan)

@@ -182,6 +182,7 @@ class EngineClient:
                 self.tracker.dispatch(await self._output.next_batch())
         except OutputClosed as exc:
             self._engine_gone(f"output path closed ({exc})")
+            self.health.unrecoverable.set()
         except Exception as exc:  # NOTE: fail visibly (503, /health) rather than leave streams hanging
             log.exception("output loop failed")
             self._engine_gone(f"output reader failed ({type(exc).__name__}: {exc})")

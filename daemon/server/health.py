@@ -7,6 +7,7 @@ closed). While ready, the engine's periodic EngineStats are the heartbeat: none 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 
@@ -28,6 +29,9 @@ class EngineHealth:
         self._last_heard = time.monotonic()
         self._last_progress = time.monotonic()
         self._last_step = -1
+        # NOTE: set when this process can never serve again though the engine may live (the output path
+        # was removed from under it): the process exits so the supervisor restarts the instance.
+        self.unrecoverable = asyncio.Event()
 
     def ready(self) -> None:
         self.state, self.reason = EngineState.READY, ""

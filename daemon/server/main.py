@@ -38,11 +38,12 @@ def run(config: Config, runtime_dir: Path, open_output: OpenOutput) -> int:
     _configure_logging(config)
     model_name = config.server.served_model_name or model_dir(config).resolve().name
     app = make_app(config, model_name, TextModel.from_dir(model_dir(config)), runtime_dir, open_output)
-    uvloop.run(serve(app, config.server.host, config.server.port, config.server.drain_timeout))
-    return 0
+    return uvloop.run(serve(app, config.server.host, config.server.port, config.server.drain_timeout))
 
 
-async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> None:
+async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> int:
+    """Until SIGTERM/SIGINT (drain, then 0), or until the output path is gone for good (1: the
+    launcher sees a child exit and stops the instance, and systemd starts it again)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -50,9 +51,17 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    health = app[CONTEXT].health
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(health.unrecoverable.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not stop.is_set():
+        log.get_logger("mtpserve.server").error("cannot serve again, exiting", reason=health.reason)
+        await asyncio.sleep(FAIL_GRACE_S)  # NOTE: the error events already queued reach their clients
+        await runner.cleanup()
+        return 1
     await drain(app, drain_timeout)
     await runner.cleanup()
+    return 0
 
 
 async def drain(app: web.Application, timeout_s: float) -> None:

@@ -8,9 +8,11 @@ from mtpserve.engine.spec_policy import StepCost, choose_drafts, expected_tokens
 
 K = 3
 # A device with spare compute: a step costs mostly its fixed part (a GPU at small batch).
-SPARE = StepCost(base=10e-3, per_token=0.05e-3, per_verify_row=0.01e-3, per_mtp_token=0.05e-3)
+SPARE = StepCost(base=10e-3, per_token=0.05e-3, per_verify_row=0.01e-3, per_depth=0.1e-3,
+                 per_mtp_token=0.05e-3)
 # A saturated device: every token costs as much as a whole step's fixed part.
-LINEAR = StepCost(base=0.0, per_token=1e-3, per_verify_row=0.2e-3, per_mtp_token=0.5e-3)
+LINEAR = StepCost(base=0.0, per_token=1e-3, per_verify_row=0.2e-3, per_depth=0.5e-3,
+                  per_mtp_token=0.5e-3)
 
 
 def rates(*per_row: float) -> np.ndarray:
@@ -51,7 +53,8 @@ def test_a_request_cap_and_floor_are_kept():
 
 def test_prefill_tokens_in_the_step_make_drafting_relatively_cheaper():
     """With a long prefill chunk in the step, its cost dwarfs a few draft tokens."""
-    medium = StepCost(base=1e-3, per_token=0.3e-3, per_verify_row=0.05e-3, per_mtp_token=0.1e-3)
+    medium = StepCost(base=1e-3, per_token=0.3e-3, per_verify_row=0.05e-3, per_depth=0.2e-3,
+                      per_mtp_token=0.1e-3)
     alone = choose_drafts(rates(*[0.45] * 8), caps(8), medium, 0)
     with_prefill = choose_drafts(rates(*[0.45] * 8), caps(8), medium, 512)
     assert with_prefill.sum() > alone.sum()
@@ -76,7 +79,8 @@ def rate(acceptance: np.ndarray, drafts: np.ndarray, cost: StepCost) -> float:
 
 def test_an_oscillating_batch_switches_without_hysteresis_or_failure():
     """Around the switching point the choice follows the batch both ways, every time."""
-    medium = StepCost(base=4e-3, per_token=0.4e-3, per_verify_row=0.05e-3, per_mtp_token=0.15e-3)
+    medium = StepCost(base=4e-3, per_token=0.4e-3, per_verify_row=0.05e-3, per_depth=0.2e-3,
+                      per_mtp_token=0.15e-3)
     small = [int(choose_drafts(rates(0.6), caps(1), medium, 0).max()) for _ in range(3)]
     choices = []
     for _ in range(20):
@@ -87,7 +91,8 @@ def test_an_oscillating_batch_switches_without_hysteresis_or_failure():
 
 
 def test_the_cost_model_learns_a_linear_device():
-    truth = StepCost(base=2e-3, per_token=0.3e-3, per_verify_row=0.04e-3, per_mtp_token=0.1e-3)
+    truth = StepCost(base=2e-3, per_token=0.3e-3, per_verify_row=0.04e-3, per_depth=0.3e-3,
+                     per_mtp_token=0.1e-3)
     model = StepCostModel()
     gen = np.random.default_rng(0)
     for _ in range(400):

@@ -90,6 +90,20 @@ async def test_a_removed_channel_marks_the_engine_dead(make_channel, transport):
     reader.channel.close()
 
 
+async def test_an_unlinked_posix_queue_name_does_not_stop_a_running_reader(make_channel):
+    """mq_unlink removes the name, not the queue: the sender's and the reader's descriptors still work."""
+    ch = make_channel("posix")
+    reader = OutputReader(ch, liveness_interval=0.05)
+    await reader.start()
+    inject = Injector(ch)
+    posix_ipc.unlink_message_queue(ch.address.queue_name)
+    await asyncio.sleep(0.2)  # several liveness checks
+    step = small_step(7)
+    inject.send(inject.frame(0, step))
+    assert_frame_matches(await asyncio.wait_for(reader.get(), 2), step)
+    await reader.close()
+
+
 async def test_the_sysv_reader_thread_leaves_the_loop_free(make_channel):
     """While the reader thread blocks in msgrcv, the loop keeps running other work."""
     ch = make_channel("sysv")
