@@ -213,3 +213,23 @@ def test_children_die_with_a_killed_launcher_and_the_next_start_cleans_up(tmp_pa
     finally:
         again.kill_everything()
 
+
+
+def test_a_removed_output_queue_stops_the_instance_for_a_restart(tmp_path):
+    """ipcrm of the SysV output queue: nothing can reach the HTTP process any more, so the instance exits
+    non-zero (systemd starts it again) instead of answering 503 for ever; it leaves nothing behind."""
+    from mtpserve.ipc import sysv
+    from mtpserve.ipc.output_channel import OutputChannel
+
+    daemon = Daemon.start(tmp_path, "--ipc-transport", "sysv")
+    try:
+        daemon.wait_healthy()
+        channel = OutputChannel.attach(daemon.instance)
+        qid = sysv.find(channel.address.sysv_key)
+        channel.close()
+        assert qid is not None
+        sysv.remove(qid)
+        assert daemon.proc.wait(30) != 0
+        assert wait_until(lambda: not daemon.leftovers(), 5), daemon.leftovers()
+    finally:
+        daemon.kill_everything()

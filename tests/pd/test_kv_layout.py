@@ -178,7 +178,9 @@ def test_engine_steps_write_kv_in_place_at_the_registered_addresses():
     assert proposer is not None
     buffers = kv_buffers(runner.kv, proposer.kv)
     before = layout_of(buffers, 8)
-    core = EngineCore(CoreConfig(sched), runner)
+    # NOTE: every step drafts 2, so both MTP depths write (an untrained model's drafts would make the
+    # adaptive policy skip them)
+    core = EngineCore(CoreConfig(sched, adaptive_speculation=False), runner)
     for i in range(3):
         core.add_request(EngineRequest(f"r{i}", tuple(range(1 + i, 30 + i)), SamplingParams(max_tokens=8)))
     while core.has_unfinished_requests():
