@@ -25,7 +25,7 @@ from mtpserve.engine.runner import ModelRunner
 from mtpserve.engine.sampler import check_bounds
 from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
-from mtpserve.engine.speculation import Speculation
+from mtpserve.engine.speculation import Speculation, StepShape
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepPlan, StepResult
 
@@ -43,7 +43,7 @@ class Launched(NamedTuple):
     """A step on the device: what was scheduled, the cost model's view of it, and its result to come."""
 
     plan: SchedulePlan
-    cost_features: np.ndarray
+    shape: StepShape
     future: concurrent.futures.Future[StepResult]
     launched_at: float  # perf_counter
 
@@ -140,7 +140,7 @@ class EngineCore(Generic[R]):
             drafts = self.speculation.choose(plan)
             step_plan = StepPlan.build(next(self._step_ids), plan, self.config.eos_token_ids,
                                        self.config.scheduler.num_speculative_tokens, drafts)
-            self._inflight.append(Launched(plan, self.speculation.features(plan, drafts),
+            self._inflight.append(Launched(plan, self.speculation.shape(plan, drafts),
                                            self.runner.launch(step_plan), time.perf_counter()))
         if self._inflight and (len(self._inflight) >= self._depth or plan.is_empty):
             return self._inflight[0].future
@@ -153,7 +153,7 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        self.speculation.observe(launched.cost_features, self._period(launched))
+        self.speculation.observe(launched.shape, self._period(launched))
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:

@@ -99,6 +99,7 @@ class Request:
         self.num_inflight_tokens = 0
         self.num_inflight_steps = 0
         self.num_drafts = 0  # drafts the device holds for the next decode window (the policy's choice)
+        self.mtp_depth = 1 << 30  # the fewest MTP depths any step of it ran: deeper ones have gaps
 
     @property
     def num_tokens(self) -> int:

@@ -50,3 +50,34 @@ class StepCostModel:
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.covariance = (self.covariance - np.outer(gain, px)) / _FORGET
         self.num_samples += 1
+
+
+class PeriodTable:
+    """Measured periods of steady decode steps (every window verifying as many drafts as the step's
+    depth), by rows and depth: an exponentially weighted mean per cell.
+
+    NOTE: the linear model extrapolates across batch sizes badly on a CPU (per-token costs fall as
+    batches grow), and what the policy weighs in a steady decode load is one step shape against its
+    neighbours: those it measures directly, here."""
+
+    MIN_SAMPLES = 4
+    WEIGHT = 0.05  # of a new sample: the mean follows the last ~20 steps of its cell
+
+    def __init__(self) -> None:
+        self.mean: dict[tuple[int, int], float] = {}
+        self.count: dict[tuple[int, int], int] = {}
+
+    @staticmethod
+    def cell(num_rows: int, depth: int) -> tuple[int, int]:
+        """Rows in quarter octaves (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, ...), exact when small."""
+        return round(4 * np.log2(num_rows)), depth
+
+    def observe(self, num_rows: int, depth: int, seconds: float) -> None:
+        key = self.cell(num_rows, depth)
+        old = self.mean.get(key)
+        self.mean[key] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def seconds(self, num_rows: int, depth: int) -> float | None:
+        key = self.cell(num_rows, depth)
+        return self.mean[key] if self.count.get(key, 0) >= self.MIN_SAMPLES else None

@@ -50,19 +50,23 @@ class DepthAcceptance:
     accepted if accepted > i."""
 
     PRIOR_WEIGHT = 4.0  # windows' worth of evidence the prior counts for
-    FIRST_PRIOR = 0.5  # before anything was seen
+    FIRST_PRIOR = 0.7  # before anything was seen: what trained MTP heads accept at depth 1, roughly
 
     def __init__(self, max_drafts: int, decay: float) -> None:
         self.tried = np.zeros(max_drafts)
         self.accepted = np.zeros(max_drafts)
         self.decay = decay
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, num_drafts: int, num_accepted: int, complete: int | None = None) -> None:
+        """`complete`: only depths below it count (the deeper ones drafted over a context with gaps)."""
         depth = np.arange(self.tried.shape[0])
+        counted = depth < (num_drafts if complete is None else min(num_drafts, complete))
+        if not counted.any():
+            return
         self.tried *= self.decay
         self.accepted *= self.decay
-        self.tried += (depth < num_drafts) & (depth <= num_accepted)
-        self.accepted += depth < num_accepted
+        self.tried += counted & (depth <= num_accepted)
+        self.accepted += counted & (depth < num_accepted)
 
     def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
         """[K] conditional acceptance per depth."""

@@ -13,15 +13,27 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import StepCostModel, features
-from mtpserve.engine.spec_policy import choose_drafts
+from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
+from mtpserve.engine.spec_policy import choose_drafts, expected_tokens
 from mtpserve.engine.spec_stats import DepthAcceptance
 
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 64
+EXPLORE_STEPS = 4
+SWITCH_MARGIN = 0.03
+
+
+class StepShape(NamedTuple):
+    num_tokens: int
+    num_rows: int
+    width: int  # the widest window's drafts + 1
+    depth: int  # MTP depths the step runs
+    decode_only: bool
 
 
 class Speculation:
@@ -32,7 +44,9 @@ class Speculation:
         self.cost = StepCostModel()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
+        self.periods = PeriodTable()
         self._steps = 0
+        self._depth = max_drafts  # the depth of the last steady decode step
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -43,8 +57,10 @@ class Speculation:
             drafts = caps
         else:
             drafts = self._explore(self._policy(plan, caps), caps, plan)
+        depth = int(drafts.max(initial=0))
         for row, k in zip(plan.rows, drafts.tolist()):
             row.request.num_drafts = k
+            row.request.mtp_depth = min(row.request.mtp_depth, depth)
         np.add.at(self.rows_by_drafts, drafts, 1)
         return drafts
 
@@ -53,19 +69,26 @@ class Speculation:
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
         self.rows_by_drafts[:] = 0
 
-    def features(self, plan: SchedulePlan, drafts: np.ndarray) -> np.ndarray:
-        """The cost model's inputs for the step `plan` launches with `drafts`."""
+    def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepShape:
+        """What the cost model and the period table know of the step `plan` launches with `drafts`."""
         width = max((row.num_tokens for row in plan.rows if not row.is_prefill), default=1)
-        return features(plan.num_tokens, len(plan.rows), width, int(drafts.max(initial=0)))
+        decode_only = not any(row.is_prefill for row in plan.rows)
+        return StepShape(plan.num_tokens, len(plan.rows), width, int(drafts.max(initial=0)), decode_only)
 
-    def observe(self, x: np.ndarray, seconds: float) -> None:
-        if seconds > 0:
-            self.cost.observe(x, seconds)
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.cost.observe(features(shape.num_tokens, shape.num_rows, shape.width, shape.depth), seconds)
+        if shape.decode_only and shape.width == shape.depth + 1:
+            self.periods.observe(shape.num_rows, shape.depth, seconds)
 
     def observe_window(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
             self._acceptance(request).observe(num_drafts, num_accepted)
-            self.instance.observe(num_drafts, num_accepted)
+            # NOTE: the instance's estimate is every new request's prior: only drafts made over a
+            # complete MTP context teach it, or a busy spell (little drafting, gaps) would lower it
+            # for the quiet one after it
+            self.instance.observe(num_drafts, num_accepted, complete=request.mtp_depth)
 
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
         """Rows that emit choose their next window. A prefill chunk that does not emit yet drafts nothing
@@ -79,22 +102,46 @@ class Speculation:
         rows = [row for row in plan.rows if row.emits]
         prior = self.instance.rates()
         rates = np.stack([self._acceptance(row.request).rates(prior) for row in rows])
+        if all(not row.is_prefill for row in plan.rows):
+            drafts[emits] = self._steady_depth(expected_tokens(rates), caps[emits], drafts[emits])
+            return drafts
         # NOTE: chunks of prompts still prefilling cost the same whatever the windows draft
         other = sum(row.num_tokens for row in plan.rows if not row.emits)
         drafts[emits] = choose_drafts(rates, caps[emits], self.cost.cost(), other, drafts[emits])
         return drafts
 
-    def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
-        """One step in EXPLORE_EVERY drafts one more, the next such step one fewer, than the policy chose.
+    def _steady_depth(self, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
+        """A decode-only step: one depth D for every row (capped per request), the D whose expected
+        tokens per second of measured period is best; the current D is kept unless another is better by
+        SWITCH_MARGIN (measured periods are noisy, and a flip costs a step of mixed shapes)."""
+        rows, cost = np.arange(gain.shape[0]), self.cost.cost()
+        best, best_rate, current_rate = self._depth, -1.0, -1.0
+        for depth in range(int(floors.max(initial=0)), self.max_drafts + 1):
+            drafts = np.maximum(np.minimum(caps, depth), floors)
+            seconds = self.periods.seconds(len(rows), depth)
+            if seconds is None:
+                seconds = cost.seconds(float((drafts + 1).sum()), len(rows), depth + 1, depth)
+            rate = float(gain[rows, drafts].sum()) / max(seconds, 1e-9)
+            current_rate = rate if depth == self._depth else current_rate
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        if current_rate > 0 and best_rate < current_rate * (1 + SWITCH_MARGIN):
+            best = self._depth
+        self._depth = best
+        return np.maximum(np.minimum(caps, best), floors)
 
-        NOTE: at a steady load the policy picks the same shapes step after step, and a least-squares fit
-        cannot tell what a depth costs from samples that all ran the same depths: its estimate would
-        drift with the noise and nothing would correct it. A little variation keeps the cost of the
-        neighbouring choices measured, at a cost of a fraction of the steps it runs."""
+    def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
+        """EXPLORE_STEPS steps in every EXPLORE_EVERY draft one more (the next burst: one fewer) than the
+        policy chose.
+
+        NOTE: at a steady load the policy picks the same shape step after step and would never measure
+        its neighbours; a short burst runs a neighbour long enough for its steady steps (windows as deep
+        as the depth) to be timed, at the cost of a few percent of the steps."""
         self._steps += 1
-        if self._steps % EXPLORE_EVERY:
+        phase = self._steps % EXPLORE_EVERY
+        if phase >= EXPLORE_STEPS:
             return drafts
-        delta = 1 if self._steps % (2 * EXPLORE_EVERY) else -1
+        delta = 1 if (self._steps // EXPLORE_EVERY) % 2 else -1
         free = np.array([row.emits and not _is_seeded_sample(row.request) for row in plan.rows])
         return np.where(free, np.clip(drafts + delta, 0, caps), drafts)
 

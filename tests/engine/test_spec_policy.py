@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import StepCostModel, features
+from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
 from mtpserve.engine.spec_policy import StepCost, choose_drafts, expected_tokens
+from mtpserve.engine.speculation import Speculation
 
 K = 3
 # A device with spare compute: a step costs mostly its fixed part (a GPU at small batch).
@@ -100,3 +101,28 @@ def test_the_cost_model_learns_a_linear_device():
             int(gen.integers(1, K + 2)), int(gen.integers(0, K + 1))
         model.observe(features(tokens, rows, width, depths), truth.seconds(tokens, rows, width, depths))
     assert np.allclose(model.cost(), truth, rtol=0.02, atol=1e-6)
+
+
+def steady(periods_ms: list[float], rows: int, acceptance: float, current: int | None = None) -> int:
+    """The depth a decode-only step gets when each depth's period is measured as given."""
+    spec = Speculation(K, adaptive=True)
+    for depth, ms in enumerate(periods_ms):
+        for _ in range(PeriodTable.MIN_SAMPLES):
+            spec.periods.observe(rows, depth, ms * 1e-3)
+    if current is not None:
+        spec._depth = current
+    gain = expected_tokens(rates(*[acceptance] * rows))
+    return int(spec._steady_depth(gain, caps(rows), np.zeros(rows, np.int64)).max())
+
+
+def test_a_steady_decode_load_takes_the_depth_its_measured_periods_favour():
+    """The CPU figures of the bundled model at 1 and 4 rows (ms per step at depth 0..3), acceptance 0.85:
+    drafting pays at 1 row, not at 4."""
+    assert steady([1.52, 2.38, 3.10, 3.90], rows=1, acceptance=0.85) >= 2
+    assert steady([2.29, 4.70, 6.40, 8.40], rows=4, acceptance=0.85) == 0
+
+
+def test_a_depth_is_kept_unless_another_is_clearly_better():
+    flat = [4.0, 4.0 * 1.85 / 1.0 * 0.99, 20.0, 30.0]  # depth 1 about 1% better than depth 0
+    assert steady(flat, rows=1, acceptance=0.85, current=0) == 0
+    assert steady(flat, rows=1, acceptance=0.85, current=1) == 1
