@@ -23,7 +23,7 @@ from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
 from mtpserve.engine.spec_policy import choose_drafts, expected_tokens
 from mtpserve.engine.spec_stats import DepthAcceptance
 
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 96
 EXPLORE_STEPS = 4
 SWITCH_MARGIN = 0.03
 
@@ -131,19 +131,19 @@ class Speculation:
         return np.maximum(np.minimum(caps, best), floors)
 
     def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
-        """EXPLORE_STEPS steps in every EXPLORE_EVERY draft one more (the next burst: one fewer) than the
-        policy chose.
+        """EXPLORE_STEPS steps in every EXPLORE_EVERY run another depth than the policy chose, each depth
+        in turn, for every row free to change.
 
         NOTE: at a steady load the policy picks the same shape step after step and would never measure
-        its neighbours; a short burst runs a neighbour long enough for its steady steps (windows as deep
-        as the depth) to be timed, at the cost of a few percent of the steps."""
+        the others; a short burst runs one long enough for its steady steps (windows as deep as the depth)
+        to be timed, at the cost of a few percent of the steps (less where the depths differ little)."""
         self._steps += 1
-        phase = self._steps % EXPLORE_EVERY
-        if phase >= EXPLORE_STEPS:
+        if self._steps % EXPLORE_EVERY >= EXPLORE_STEPS:
             return drafts
-        delta = 1 if (self._steps // EXPLORE_EVERY) % 2 else -1
+        burst = self._steps // EXPLORE_EVERY
+        depth = (int(drafts.max(initial=0)) + 1 + burst % self.max_drafts) % (self.max_drafts + 1)
         free = np.array([row.emits and not _is_seeded_sample(row.request) for row in plan.rows])
-        return np.where(free, np.clip(drafts + delta, 0, caps), drafts)
+        return np.where(free, np.minimum(caps, depth), drafts)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
