@@ -2,9 +2,9 @@
 
 Per step, for the rows of the plan: `choose` gives each row the drafts it proposes this step for its
 next window (the scheduler sizes that window from `Request.num_drafts`); `observe` takes the finished
-step: each verified window updates its request's acceptance per depth (and the instance's, the prior of
-new requests), and the step's device time corrects the cost model. With `adaptive` off every row
-drafts K (or its request's cap), as a fixed-k engine does.
+step's period (the cost model and the period table learn from it) and each verified window updates its
+request's acceptance per depth (and the instance's, the prior of new requests). With `adaptive` off
+every row drafts K (or its request's cap), as a fixed-k engine does.
 
 A sampled request with a seed always drafts its cap: rejection sampling keeps the distribution whatever
 the drafts, but which sample a seed gives depends on them, and a seed promises the same sample whatever
@@ -20,7 +20,7 @@ import numpy as np
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
-from mtpserve.engine.spec_policy import choose_drafts, expected_tokens
+from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
 
 EXPLORE_EVERY = 96
@@ -91,59 +91,50 @@ class Speculation:
             self.instance.observe(num_drafts, num_accepted, complete=request.mtp_depth)
 
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
-        """Rows that emit choose their next window. A prefill chunk that does not emit yet drafts nothing
-        (the depths the step runs still write its MTP KV), unless its request is pinned: then every step
-        it is in runs its depths, so its MTP KV, and so its drafts, never depend on its neighbours."""
+        """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
+        drafts. A prefill chunk that does not emit yet drafts nothing, but the depths the step runs
+        write its MTP KV: a prompt gets that KV exactly when drafting is in use at this load. A pinned
+        request drafts its cap (its floor) in every step it is in, so its MTP KV, and so its drafts,
+        never depend on its neighbours."""
         pinned = np.array([_is_seeded_sample(row.request) for row in plan.rows])
         drafts = np.where(pinned, caps, 0)
         emits = np.array([row.emits for row in plan.rows])
         if not emits.any():
             return drafts
-        rows = [row for row in plan.rows if row.emits]
         prior = self.instance.rates()
-        rates = np.stack([self._acceptance(row.request).rates(prior) for row in rows])
-        if all(not row.is_prefill for row in plan.rows):
-            drafts[emits] = self._steady_depth(expected_tokens(rates), caps[emits], drafts[emits])
-            return drafts
-        # NOTE: chunks of prompts still prefilling cost the same whatever the windows draft
-        other = sum(row.num_tokens for row in plan.rows if not row.emits)
-        drafts[emits] = choose_drafts(rates, caps[emits], self.cost.cost(), other, drafts[emits])
+        rates = np.stack([self._acceptance(row.request).rates(prior) for row in plan.rows if row.emits])
+        caps_e, floors = caps[emits], drafts[emits]
+        num_rows, cost = len(caps_e), self.cost.cost()
+
+        def period(depth: int) -> float:
+            measured = self.periods.seconds(num_rows, depth)
+            window = float((np.maximum(np.minimum(caps_e, depth), floors) + 1).sum())
+            return measured if measured is not None else cost.seconds(window, num_rows, depth + 1, depth)
+
+        gain = expected_tokens(rates)
+        depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        self._depth = depth
+        full = np.maximum(np.minimum(caps_e, depth), floors)
+        step_rate = float(gain[np.arange(num_rows), full].sum()) / max(period(depth), 1e-9)
+        drafts[emits] = row_drafts(rates, depth, caps_e, floors, step_rate * cost.window_token(depth))
         return drafts
 
-    def _steady_depth(self, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
-        """A decode-only step: one depth D for every row (capped per request), the D whose expected
-        tokens per second of measured period is best; the current D is kept unless another is better by
-        SWITCH_MARGIN (measured periods are noisy, and a flip costs a step of mixed shapes)."""
-        rows, cost = np.arange(gain.shape[0]), self.cost.cost()
-        best, best_rate, current_rate = self._depth, -1.0, -1.0
-        for depth in range(int(floors.max(initial=0)), self.max_drafts + 1):
-            drafts = np.maximum(np.minimum(caps, depth), floors)
-            seconds = self.periods.seconds(len(rows), depth)
-            if seconds is None:
-                seconds = cost.seconds(float((drafts + 1).sum()), len(rows), depth + 1, depth)
-            rate = float(gain[rows, drafts].sum()) / max(seconds, 1e-9)
-            current_rate = rate if depth == self._depth else current_rate
-            if rate > best_rate:
-                best, best_rate = depth, rate
-        if current_rate > 0 and best_rate < current_rate * (1 + SWITCH_MARGIN):
-            best = self._depth
-        self._depth = best
-        return np.maximum(np.minimum(caps, best), floors)
-
     def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
-        """EXPLORE_STEPS steps in every EXPLORE_EVERY run another depth than the policy chose, each depth
-        in turn, for every row free to change.
+        """EXPLORE_STEPS steps in every EXPLORE_EVERY run a deeper depth than the policy chose, each in
+        turn, for every row free to change.
 
         NOTE: at a steady load the policy picks the same shape step after step and would never measure
         the others; a short burst runs one long enough for its steady steps (windows as deep as the depth)
-        to be timed, at the cost of a few percent of the steps (less where the depths differ little)."""
+        to be timed, at the cost of a few percent of the steps. Only deeper: a shallower burst would leave
+        gaps in every request's MTP KV (the depths it skips), lowering their acceptance for good; the
+        shallower depths are measured whenever the load makes the policy choose them."""
         self._steps += 1
-        if self._steps % EXPLORE_EVERY >= EXPLORE_STEPS:
+        depth = int(drafts.max(initial=0))
+        if self._steps % EXPLORE_EVERY >= EXPLORE_STEPS or depth >= self.max_drafts:
             return drafts
-        burst = self._steps // EXPLORE_EVERY
-        depth = (int(drafts.max(initial=0)) + 1 + burst % self.max_drafts) % (self.max_drafts + 1)
+        deeper = depth + 1 + (self._steps // EXPLORE_EVERY) % (self.max_drafts - depth)
         free = np.array([row.emits and not _is_seeded_sample(row.request) for row in plan.rows])
-        return np.where(free, np.minimum(caps, depth), drafts)
+        return np.where(free, np.minimum(caps, deeper), drafts)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

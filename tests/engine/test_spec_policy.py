@@ -4,8 +4,12 @@ import numpy as np
 import pytest
 
 from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
-from mtpserve.engine.spec_policy import StepCost, choose_drafts, expected_tokens
+from mtpserve.engine.spec_policy import StepCost, choose_depth, expected_tokens, row_drafts
+from mtpserve.engine.request import EngineRequest, Request
+from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
+from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.speculation import Speculation
+from mtpserve.ipc.sampling_params import SamplingParams
 
 K = 3
 # A device with spare compute: a step costs mostly its fixed part (a GPU at small batch).
@@ -29,47 +33,34 @@ def test_expected_tokens_counts_the_bonus_and_each_accepted_prefix():
     assert np.allclose(got, [[1.0, 1.5, 1.75, 1.875]])
 
 
+def depth_for(acceptance: np.ndarray, cost: StepCost, current: int = 0, margin: float = 0.0) -> int:
+    rows = acceptance.shape[0]
+    period = lambda d: cost.seconds(rows * (d + 1), rows, d + 1, d)  # noqa: E731
+    return choose_depth(expected_tokens(acceptance), caps(rows), np.zeros(rows, np.int64), period, current,
+                        margin)
+
+
 def test_batch_one_with_high_acceptance_drafts_the_maximum():
-    assert choose_drafts(rates(0.9), caps(1), SPARE, 0).tolist() == [K]
+    assert depth_for(rates(0.9), SPARE) == K
 
 
 def test_acceptance_near_zero_drafts_nothing():
-    assert choose_drafts(rates(0.01), caps(1), SPARE, 0).tolist() == [0]
+    assert depth_for(rates(0.01), SPARE, current=K) == 0
 
 
 def test_cost_linear_in_rows_drafts_nothing_at_a_large_batch():
-    assert choose_drafts(rates(*[0.7] * 64), caps(64), LINEAR, 0).tolist() == [0] * 64
-
-
-def test_requests_that_differ_get_different_drafts():
-    got = choose_drafts(rates(0.95, 0.95, 0.02, 0.02), caps(4), SPARE, 0)
-    assert got[0] == got[1] > 0 and got[2] == got[3] == 0
-
-
-def test_a_request_cap_and_floor_are_kept():
-    assert choose_drafts(rates(0.95, 0.95), np.array([1, K]), SPARE, 0).tolist() == [1, K]
-    floors = np.array([K, 0])
-    assert choose_drafts(rates(0.01, 0.01), caps(2), SPARE, 0, floors).tolist() == [K, 0]
-
-
-def test_prefill_tokens_in_the_step_make_drafting_relatively_cheaper():
-    """With a long prefill chunk in the step, its cost dwarfs a few draft tokens."""
-    medium = StepCost(base=1e-3, per_token=0.3e-3, per_verify_row=0.05e-3, per_depth=0.2e-3,
-                      per_mtp_token=0.1e-3)
-    alone = choose_drafts(rates(*[0.45] * 8), caps(8), medium, 0)
-    with_prefill = choose_drafts(rates(*[0.45] * 8), caps(8), medium, 512)
-    assert with_prefill.sum() > alone.sum()
+    assert depth_for(rates(*[0.7] * 64), LINEAR, current=K) == 0
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16, 64])
-def test_the_choice_is_never_worse_than_any_uniform_k(batch):
-    """Brute force over uniform k: the policy's expected tokens per second is at least the best of them."""
+def test_the_depth_is_the_best_uniform_k(batch):
+    """Brute force over uniform k: with no margin the chosen depth's rate is the best of them."""
     gen = np.random.default_rng(batch)
     acceptance = gen.uniform(0.0, 1.0, (batch, K))
     for cost in (SPARE, LINEAR):
-        chosen = choose_drafts(acceptance, caps(batch), cost, 0)
-        best_uniform = max(rate(acceptance, np.full(batch, k), cost) for k in range(K + 1))
-        assert rate(acceptance, chosen, cost) >= best_uniform * (1 - 1e-9)
+        chosen = depth_for(acceptance, cost)
+        best = max(range(K + 1), key=lambda k: rate(acceptance, np.full(batch, k), cost))
+        assert rate(acceptance, np.full(batch, chosen), cost) >= rate(acceptance, np.full(batch, best), cost)
 
 
 def rate(acceptance: np.ndarray, drafts: np.ndarray, cost: StepCost) -> float:
@@ -78,17 +69,29 @@ def rate(acceptance: np.ndarray, drafts: np.ndarray, cost: StepCost) -> float:
     return gain / cost.seconds(float((drafts + 1).sum()), len(drafts), width, int(drafts.max()))
 
 
+def test_requests_that_differ_get_different_drafts():
+    """At the step's depth, a request whose drafts are rarely accepted drafts less."""
+    acceptance = rates(0.95, 0.95, 0.3, 0.02)
+    got = row_drafts(acceptance, K, caps(4), np.zeros(4, np.int64), slot_cost=0.2)
+    assert got.tolist() == [K, K, 1, 0]
+
+
+def test_a_request_cap_and_floor_are_kept():
+    got = row_drafts(rates(0.95, 0.01, 0.95), K, np.array([1, K, K]), np.array([0, 2, 0]), slot_cost=0.2)
+    assert got.tolist() == [1, 2, K]
+
+
 def test_an_oscillating_batch_switches_without_hysteresis_or_failure():
     """Around the switching point the choice follows the batch both ways, every time."""
     medium = StepCost(base=4e-3, per_token=0.4e-3, per_verify_row=0.05e-3, per_depth=0.2e-3,
                       per_mtp_token=0.15e-3)
-    small = [int(choose_drafts(rates(0.6), caps(1), medium, 0).max()) for _ in range(3)]
+    small = depth_for(rates(0.6), medium)
     choices = []
     for _ in range(20):
-        choices.append(int(choose_drafts(rates(*[0.6] * 64), caps(64), medium, 0).max()))
-        choices.append(int(choose_drafts(rates(0.6), caps(1), medium, 0).max()))
-    assert small[0] > 0 and choices[1::2] == [small[0]] * 20 and choices[0::2] == [choices[0]] * 20
-    assert choices[0] < small[0]
+        choices.append(depth_for(rates(*[0.6] * 64), medium, current=choices[-1] if choices else 0))
+        choices.append(depth_for(rates(0.6), medium, current=choices[-1]))
+    assert small > 0 and choices[1::2] == [small] * 20 and choices[0::2] == [choices[0]] * 20
+    assert choices[0] < small
 
 
 def test_the_cost_model_learns_a_linear_device():
@@ -103,16 +106,25 @@ def test_the_cost_model_learns_a_linear_device():
     assert np.allclose(model.cost(), truth, rtol=0.02, atol=1e-6)
 
 
-def steady(periods_ms: list[float], rows: int, acceptance: float, current: int | None = None) -> int:
-    """The depth a decode-only step gets when each depth's period is measured as given."""
+def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0) -> int:
+    """The depth a decode step gets when each depth's period is measured as given."""
     spec = Speculation(K, adaptive=True)
     for depth, ms in enumerate(periods_ms):
         for _ in range(PeriodTable.MIN_SAMPLES):
             spec.periods.observe(rows, depth, ms * 1e-3)
-    if current is not None:
-        spec._depth = current
-    gain = expected_tokens(rates(*[acceptance] * rows))
-    return int(spec._steady_depth(gain, caps(rows), np.zeros(rows, np.int64)).max())
+    spec._depth = current
+    plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
+    for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
+        row.request.acceptance = DepthAcceptance(K, decay=0.9)
+        row.request.acceptance.tried[:] = 100.0
+        row.request.acceptance.accepted[:] = 100.0 * acceptance
+    spec._policy(plan, caps(rows))
+    return spec._depth
+
+
+def decode_row(i: int) -> ScheduledRow:
+    request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
+    return ScheduledRow(request, 0, i, False, K + 1, 0, True)
 
 
 def test_a_steady_decode_load_takes_the_depth_its_measured_periods_favour():
@@ -123,6 +135,8 @@ def test_a_steady_decode_load_takes_the_depth_its_measured_periods_favour():
 
 
 def test_a_depth_is_kept_unless_another_is_clearly_better():
-    flat = [4.0, 4.0 * 1.85 / 1.0 * 0.99, 20.0, 30.0]  # depth 1 about 1% better than depth 0
-    assert steady(flat, rows=1, acceptance=0.85, current=0) == 0
-    assert steady(flat, rows=1, acceptance=0.85, current=1) == 1
+    gain = expected_tokens(rates(0.85))
+    flat = {0: 4.0, 1: 4.0 * gain[0, 1] * 0.99, 2: 20.0, 3: 30.0}  # depth 1 about 1% better than depth 0
+    choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), flat.__getitem__,  # noqa: E731
+                                          current, margin=0.03)
+    assert choose(0) == 0 and choose(1) == 1 and choose(3) == 1
