@@ -97,18 +97,17 @@ def warm_up(core: EngineCore) -> None:
     profile_steps(core)
 
 
-def profile_steps(core: EngineCore, max_rows: int = 16, num_tokens: int = 6) -> None:
-    """Time steps at one row and at `max_rows`, drafting nothing and the maximum, so the cost model
-    has seen each shape it chooses between before the first client (docs/speculation.md)."""
+def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16), num_windows: int = 8) -> None:
+    """Time steady decode steps at a few batch sizes and every depth 0..K, so the policy's period table
+    can compare depths before the first client (docs/speculation.md); about two seconds here."""
     spec = core.speculation
     if not spec.adaptive:
         return
-    rows = min(max_rows, core.config.scheduler.max_num_seqs)
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     prompt = tuple(range(1, 33))
-    for batch in (1, rows):
-        for drafts in (0, spec.max_drafts):
+    for batch in sorted({min(b, core.config.scheduler.max_num_seqs) for b in batches}):
+        for drafts in range(spec.max_drafts + 1):
             spec.forced = drafts
+            params = SamplingParams(temperature=0.0, max_tokens=num_windows * (drafts + 1), ignore_eos=True)
             for i in range(batch):
                 core.add_request(EngineRequest(-2 - i, prompt, params))
             _drain(core)

@@ -58,7 +58,9 @@ class PeriodTable:
 
     NOTE: the linear model extrapolates across batch sizes badly on a CPU (per-token costs fall as
     batches grow), and what the policy weighs in a steady decode load is one step shape against its
-    neighbours: those it measures directly, here."""
+    neighbours: those it measures directly, here. A depth not measured at these rows is estimated from
+    one that is, by the ratio of the two at the nearest batch size where both are (the start-up profile
+    measures every depth at a few batch sizes)."""
 
     MIN_SAMPLES = 4
     WEIGHT = 0.05  # of a new sample: the mean follows the last ~20 steps of its cell
@@ -79,5 +81,25 @@ class PeriodTable:
         self.count[key] = self.count.get(key, 0) + 1
 
     def seconds(self, num_rows: int, depth: int) -> float | None:
-        key = self.cell(num_rows, depth)
-        return self.mean[key] if self.count.get(key, 0) >= self.MIN_SAMPLES else None
+        """The measured period; else one measured at another depth for these rows, scaled by the ratio
+        of the two depths where both are measured at the nearest other batch size; else None."""
+        rows, _ = self.cell(num_rows, depth)
+        if self._known(rows, depth):
+            return self.mean[rows, depth]
+        for other in sorted((d for d in range(self._max_depth + 1) if self._known(rows, d)),
+                            key=lambda d: abs(d - depth)):
+            near = [r for r in self._rows() if self._known(r, depth) and self._known(r, other)]
+            if near:
+                ref = min(near, key=lambda r: abs(r - rows))
+                return self.mean[rows, other] * self.mean[ref, depth] / self.mean[ref, other]
+        return None
+
+    def _known(self, rows: int, depth: int) -> bool:
+        return self.count.get((rows, depth), 0) >= self.MIN_SAMPLES
+
+    def _rows(self) -> set[int]:
+        return {rows for rows, _ in self.mean}
+
+    @property
+    def _max_depth(self) -> int:
+        return max((depth for _, depth in self.mean), default=0)

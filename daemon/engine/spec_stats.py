@@ -53,22 +53,22 @@ class DepthAcceptance:
     FIRST_PRIOR = 0.7  # before anything was seen: what trained MTP heads accept at depth 1, roughly
 
     def __init__(self, max_drafts: int, decay: float) -> None:
-        self.tried = np.zeros(max_drafts)
-        self.accepted = np.zeros(max_drafts)
+        # NOTE: plain lists: K is a handful, and every verified window of every step updates one
+        self.tried = [0.0] * max_drafts
+        self.accepted = [0.0] * max_drafts
         self.decay = decay
 
     def observe(self, num_drafts: int, num_accepted: int, complete: int | None = None) -> None:
         """`complete`: only depths below it count (the deeper ones drafted over a context with gaps)."""
-        depth = np.arange(self.tried.shape[0])
-        counted = depth < (num_drafts if complete is None else min(num_drafts, complete))
-        if not counted.any():
+        counted = num_drafts if complete is None else min(num_drafts, complete)
+        if counted <= 0:
             return
-        self.tried *= self.decay
-        self.accepted *= self.decay
-        self.tried += counted & (depth <= num_accepted)
-        self.accepted += counted & (depth < num_accepted)
+        tried, accepted, decay = self.tried, self.accepted, self.decay
+        for depth in range(len(tried)):
+            tried[depth] = tried[depth] * decay + (depth < counted and depth <= num_accepted)
+            accepted[depth] = accepted[depth] * decay + (depth < counted and depth < num_accepted)
 
     def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
         """[K] conditional acceptance per depth."""
-        base = np.full(self.tried.shape, self.FIRST_PRIOR) if prior is None else prior
-        return (self.accepted + self.PRIOR_WEIGHT * base) / (self.tried + self.PRIOR_WEIGHT)
+        base = np.full(len(self.tried), self.FIRST_PRIOR) if prior is None else prior
+        return (np.array(self.accepted) + self.PRIOR_WEIGHT * base) / (np.array(self.tried) + self.PRIOR_WEIGHT)

@@ -116,8 +116,8 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
     for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
         row.request.acceptance = DepthAcceptance(K, decay=0.9)
-        row.request.acceptance.tried[:] = 100.0
-        row.request.acceptance.accepted[:] = 100.0 * acceptance
+        row.request.acceptance.tried = [100.0] * K
+        row.request.acceptance.accepted = [100.0 * acceptance] * K
     spec._policy(plan, caps(rows))
     return spec._depth
 
@@ -140,3 +140,14 @@ def test_a_depth_is_kept_unless_another_is_clearly_better():
     choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), flat.__getitem__,  # noqa: E731
                                           current, margin=0.03)
     assert choose(0) == 0 and choose(1) == 1 and choose(3) == 1
+
+
+def test_a_depth_not_measured_at_these_rows_is_scaled_from_the_nearest_batch():
+    table = PeriodTable()
+    for _ in range(PeriodTable.MIN_SAMPLES):
+        table.observe(4, 0, 2e-3)
+        table.observe(4, 2, 6e-3)  # at 4 rows depth 2 takes 3x depth 0
+        table.observe(16, 0, 6e-3)  # at 16 rows only depth 0 was seen
+    assert table.seconds(16, 2) == pytest.approx(18e-3)
+    assert table.seconds(16, 1) is None  # measured nowhere
+    assert table.seconds(4, 2) == pytest.approx(6e-3)
