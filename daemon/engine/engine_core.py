@@ -153,7 +153,8 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        self.speculation.observe(launched.shape, self._period(launched))
+        emitted = int(result.num_emitted[result.is_valid].sum())
+        self.speculation.observe(launched.shape, self._period(launched), emitted)
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:

@@ -63,10 +63,11 @@ class PeriodTable:
     measures every depth at a few batch sizes)."""
 
     MIN_SAMPLES = 4
-    WEIGHT = 0.05  # of a new sample: the mean follows the last ~20 steps of its cell
+    WEIGHT = 0.03  # of a new sample: the mean follows the last ~30 steps of its cell
 
     def __init__(self) -> None:
         self.mean: dict[tuple[int, int], float] = {}
+        self.tokens: dict[tuple[int, int], float] = {}  # tokens the cell's steps emitted, same weighting
         self.count: dict[tuple[int, int], int] = {}
 
     @staticmethod
@@ -74,11 +75,21 @@ class PeriodTable:
         """Rows in quarter octaves (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, ...), exact when small."""
         return round(4 * np.log2(num_rows)), depth
 
-    def observe(self, num_rows: int, depth: int, seconds: float) -> None:
+    def observe(self, num_rows: int, depth: int, seconds: float, tokens: int) -> None:
         key = self.cell(num_rows, depth)
-        old = self.mean.get(key)
-        self.mean[key] = seconds if old is None else old + self.WEIGHT * (seconds - old)
-        self.count[key] = self.count.get(key, 0) + 1
+        count = self.count[key] = self.count.get(key, 0) + 1
+        # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) step fades
+        weight = max(1.0 / count, self.WEIGHT)
+        self.mean[key] = self.mean.get(key, 0.0) + weight * (seconds - self.mean.get(key, 0.0))
+        self.tokens[key] = self.tokens.get(key, 0.0) + weight * (tokens - self.tokens.get(key, 0.0))
+
+    def tokens_per_second(self, num_rows: int, depth: int) -> float | None:
+        """What steps of these rows at this depth delivered, measured: acceptance as it really is (gaps
+        in the MTP KV included), over the period as it really is."""
+        key = self.cell(num_rows, depth)
+        if self.count.get(key, 0) < self.MIN_SAMPLES:
+            return None
+        return self.tokens[key] / max(self.mean[key], 1e-9)
 
     def seconds(self, num_rows: int, depth: int) -> float | None:
         """The measured period; else one measured at another depth for these rows, scaled by the ratio

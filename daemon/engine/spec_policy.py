@@ -5,9 +5,9 @@ were) emits E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i tokens. With this engine a s
 deepest row (every row's tokens run through the MTP depths the step runs, and every row is verified as
 wide as the widest), so the policy decides in two parts:
 
-1. the step's depth D in 0..K: the one whose expected tokens per second, sum_r E_r(min(D, cap_r)) /
-   period(D), is best, where period(D) is what a step of these rows at depth D is measured (or, unseen,
-   modelled) to take; the depth in use is kept unless another is better by a margin;
+1. the step's depth D in 0..K: the one whose tokens per second is best: as measured for steps of these
+   rows at depth D where there are such steps, else expected, sum_r E_r(min(D, cap_r)) / period(D), with
+   period(D) measured or modelled; the depth in use is kept unless another is better by a margin;
 2. each row's drafts k_r <= min(D, cap_r): draft j is worth its window slot when the chance that it is
    reached and accepted, prod_{i<=j} a_i, exceeds what the slot costs in tokens: the step's rate times
    the seconds one more window token adds. A request whose drafts are rarely accepted drafts less.
@@ -51,14 +51,16 @@ def reach(acceptance: np.ndarray) -> np.ndarray:
 
 
 def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period: Callable[[int], float],
-                 current: int, margin: float) -> int:
+                 current: int, margin: float, measured: dict[int, float | None] | None = None) -> int:
     """The step's depth. gain: [B, K+1] expected tokens per k; caps, floors: [B]; period(depth): seconds of
-    a step of these rows at that depth; `current` is kept unless another depth is better by `margin`."""
+    a step of these rows at that depth; measured[depth]: tokens per second such steps delivered, which
+    wins over the estimate; `current` is kept unless another depth is better by `margin`."""
     rows, max_depth = np.arange(gain.shape[0]), gain.shape[1] - 1
     rates = {}
     for depth in range(int(floors.max(initial=0)), max_depth + 1):
         drafts = np.maximum(np.minimum(caps, depth), floors)
-        rates[depth] = float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
+        seen = measured.get(depth) if measured else None
+        rates[depth] = seen if seen is not None else float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
     best = max(rates, key=rates.__getitem__)
     if current in rates and rates[best] < rates[current] * (1 + margin):
         return current

@@ -25,7 +25,7 @@ from mtpserve.engine.spec_stats import DepthAcceptance
 
 EXPLORE_EVERY = 96
 EXPLORE_STEPS = 4
-SWITCH_MARGIN = 0.03
+SWITCH_MARGIN = 0.05
 
 
 class StepShape(NamedTuple):
@@ -75,12 +75,13 @@ class Speculation:
         decode_only = not any(row.is_prefill for row in plan.rows)
         return StepShape(plan.num_tokens, len(plan.rows), width, int(drafts.max(initial=0)), decode_only)
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float, num_emitted: int) -> None:
+        """A finished step: its shape, its period, the tokens it emitted."""
         if seconds <= 0:
             return
         self.cost.observe(features(shape.num_tokens, shape.num_rows, shape.width, shape.depth), seconds)
         if shape.decode_only and shape.width == shape.depth + 1:
-            self.periods.observe(shape.num_rows, shape.depth, seconds)
+            self.periods.observe(shape.num_rows, shape.depth, seconds, num_emitted)
 
     def observe_window(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
@@ -112,7 +113,9 @@ class Speculation:
             return measured if measured is not None else cost.seconds(window, num_rows, depth + 1, depth)
 
         gain = expected_tokens(rates)
-        depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        measured = (None if floors.any() else  # NOTE: pinned rows make these rows' steps unlike the cell's
+                    {d: self.periods.tokens_per_second(num_rows, d) for d in range(self.max_drafts + 1)})
+        depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN, measured)
         self._depth = depth
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[np.arange(num_rows), full].sum()) / max(period(depth), 1e-9)

@@ -109,9 +109,10 @@ def test_the_cost_model_learns_a_linear_device():
 def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0) -> int:
     """The depth a decode step gets when each depth's period is measured as given."""
     spec = Speculation(K, adaptive=True)
+    delivered = rows * expected_tokens(rates(acceptance))[0]  # what such steps emit, on average
     for depth, ms in enumerate(periods_ms):
         for _ in range(PeriodTable.MIN_SAMPLES):
-            spec.periods.observe(rows, depth, ms * 1e-3)
+            spec.periods.observe(rows, depth, ms * 1e-3, int(round(delivered[depth])))
     spec._depth = current
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
     for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
@@ -145,9 +146,22 @@ def test_a_depth_is_kept_unless_another_is_clearly_better():
 def test_a_depth_not_measured_at_these_rows_is_scaled_from_the_nearest_batch():
     table = PeriodTable()
     for _ in range(PeriodTable.MIN_SAMPLES):
-        table.observe(4, 0, 2e-3)
-        table.observe(4, 2, 6e-3)  # at 4 rows depth 2 takes 3x depth 0
-        table.observe(16, 0, 6e-3)  # at 16 rows only depth 0 was seen
+        table.observe(4, 0, 2e-3, 4)
+        table.observe(4, 2, 6e-3, 10)  # at 4 rows depth 2 takes 3x depth 0
+        table.observe(16, 0, 6e-3, 16)  # at 16 rows only depth 0 was seen
     assert table.seconds(16, 2) == pytest.approx(18e-3)
     assert table.seconds(16, 1) is None  # measured nowhere
     assert table.seconds(4, 2) == pytest.approx(6e-3)
+    assert table.tokens_per_second(4, 2) == pytest.approx(10 / 6e-3)
+    assert table.tokens_per_second(16, 2) is None
+
+
+def test_measured_rates_win_over_the_estimate():
+    """Acceptance estimates say depth 2 (E = 2.71 tokens per window at 0.9), but the steps delivered more
+    at depth 0: the measurement decides."""
+    gain = expected_tokens(rates(0.9, 0.9, 0.9, 0.9))
+    period = {0: 3e-3, 1: 5e-3, 2: 6e-3, 3: 9e-3}.__getitem__
+    zeros = np.zeros(4, np.int64)
+    assert choose_depth(gain, caps(4), zeros, period, current=0, margin=0.0) == 2
+    measured: dict[int, float | None] = {0: 1400.0, 1: 1200.0, 2: 1150.0, 3: 1000.0}
+    assert choose_depth(gain, caps(4), zeros, period, current=2, margin=0.0, measured=measured) == 0
