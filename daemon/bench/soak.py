@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import posix_ipc
 
 from mtpserve.bench.serve_launch import Instance
 from mtpserve.bench.serve_report import parse_counters
@@ -103,7 +104,10 @@ async def _inject(args, instance: Instance, session: aiohttp.ClientSession, star
         await asyncio.sleep(args.fault_every_s / 2)
         fault = plan[n % len(plan)]
         began = time.monotonic()
-        await fault(instance, session)
+        try:
+            await fault(instance, session)
+        except (OSError, aiohttp.ClientError, asyncio.TimeoutError, posix_ipc.Error) as exc:
+            print(f"fault {fault.__name__} could not be injected: {exc!r}", flush=True)
         ended = time.monotonic()
         recovered = await _recovery(instance, session)
         records.append({"fault": fault.__name__, "at_s": round(began - start, 1), "began": began,

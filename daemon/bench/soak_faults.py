@@ -73,7 +73,10 @@ async def unlink_queue(instance: Instance, session: aiohttp.ClientSession) -> No
             if qid is not None:
                 sysv.remove(qid)
         else:
-            posix_ipc.unlink_message_queue(names.queue_name(instance.name))
+            try:
+                posix_ipc.unlink_message_queue(names.queue_name(instance.name))
+            except posix_ipc.ExistentialError:
+                pass  # NOTE: unlinked by an earlier round; the instance runs on the open descriptors
     finally:
         channel.close()
     await asyncio.sleep(HOLD_S)
