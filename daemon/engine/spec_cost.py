@@ -17,6 +17,7 @@ from mtpserve.engine.spec_policy import StepCost
 _SCALE = np.array([1.0, 1e-2, 1e-2, 1.0, 1e-2])
 _FORGET = 0.995  # weight of a sample halves after ~140 steps
 _PRIOR_VARIANCE = 1e2
+_MAX_TRACE = 5 * _PRIOR_VARIANCE  # the prior's
 # A CPU-sized guess (seconds) used until samples arrive: 2 ms a step, 0.2 ms a token, 20 us a verify row,
 # 0.5 ms an MTP depth, 0.05 ms an MTP token.
 _PRIOR = StepCost(2e-3, 2e-4, 2e-5, 5e-4, 5e-5)
@@ -49,6 +50,12 @@ class StepCostModel:
         gain = px / (_FORGET + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.covariance = (self.covariance - np.outer(gain, px)) / _FORGET
+        # NOTE: forgetting divides the covariance by _FORGET every step, and in directions the steps do
+        # not vary (a steady load runs one shape) nothing shrinks it again: it would grow until it
+        # overflowed (seen after ~15 minutes of a steady load). Capping its trace keeps it at the prior's.
+        trace = float(np.trace(self.covariance))
+        if trace > _MAX_TRACE:
+            self.covariance *= _MAX_TRACE / trace
         self.num_samples += 1
 
 

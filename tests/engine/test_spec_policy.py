@@ -165,3 +165,13 @@ def test_measured_rates_win_over_the_estimate():
     assert choose_depth(gain, caps(4), zeros, period, current=0, margin=0.0) == 2
     measured: dict[int, float | None] = {0: 1400.0, 1: 1200.0, 2: 1150.0, 3: 1000.0}
     assert choose_depth(gain, caps(4), zeros, period, current=2, margin=0.0, measured=measured) == 0
+
+
+def test_a_steady_load_does_not_wind_the_cost_model_up():
+    """One shape for a long time: forgetting alone would grow the covariance until it overflowed."""
+    model = StepCostModel()
+    x = features(64, 64, 1, 0)
+    for _ in range(50_000):
+        model.observe(x, 0.03)
+    assert np.isfinite(model.covariance).all() and np.trace(model.covariance) <= 500 * (1 + 1e-9)
+    assert abs(model.predict(x) - 0.03) < 1e-3
