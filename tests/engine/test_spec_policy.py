@@ -173,5 +173,5 @@ def test_a_steady_load_does_not_wind_the_cost_model_up():
     x = features(64, 64, 1, 0)
     for _ in range(50_000):
         model.observe(x, 0.03)
-    assert np.isfinite(model.covariance).all() and np.trace(model.covariance) <= 500 * (1 + 1e-9)
+    assert np.isfinite(model.covariance).all() and np.abs(model.covariance).max() <= 500
     assert abs(model.predict(x) - 0.03) < 1e-3
