@@ -1,7 +1,9 @@
 """PD with the real engine: `mtpserve serve --role prefill` and `--role decode` (the bundled model, KV
 read over Mooncake TCP), driven over HTTP as the router drives them. Greedy, so the decode instance
 serving the same body without params (mixed behaviour) is the reference: the prefill's text plus the
-decode's text must be its text, and usage the same."""
+decode's text must be its text, and usage the same. Both run fixed-depth speculation: the adaptive
+depth follows measured step times, so equal draft counts would then be luck, while with a fixed depth
+they show that the prompt's MTP KV came across with the rest."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ PROMPT = "def fibonacci(n):\n    "
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    prefill = Daemon.start(tmp_path_factory.mktemp("prefill"), "--role", "prefill")
-    decode = Daemon.start(tmp_path_factory.mktemp("decode"), "--role", "decode")
+    fixed = ("--speculative-adaptive", "false")
+    prefill = Daemon.start(tmp_path_factory.mktemp("prefill"), "--role", "prefill", *fixed)
+    decode = Daemon.start(tmp_path_factory.mktemp("decode"), "--role", "decode", *fixed)
     try:
         prefill.wait_healthy()
         decode.wait_healthy()
