@@ -17,6 +17,7 @@ from paddle import _C_ops
 from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
 from mtpserve.config import IpcConfig
+from mtpserve.host_tensor import host_tensor
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import ChannelAddress
 
@@ -157,7 +158,7 @@ def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finis
 
 def _tensors(*arrays) -> tuple:
     """Host tensors for the op; NumPy arrays are wrapped (one copy each), None stays None."""
-    return tuple(a if a is None or isinstance(a, paddle.Tensor) else paddle.to_tensor(a)
+    return tuple(a if a is None or isinstance(a, paddle.Tensor) else host_tensor(a)
                  for a in arrays)
 
 

@@ -23,6 +23,7 @@ from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
+from mtpserve.host_tensor import host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -82,7 +83,7 @@ class PaddleModelRunner:
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
             out = self.model.run(batch.input_ids, batch.positions, ctx)
             rows = win.verify_index(plan.is_prefill, plan.verify_width)  # [B, W]
-            rows_dev = paddle.to_tensor(rows.reshape(-1))
+            rows_dev = host_tensor(rows.reshape(-1))
             logits = self.model.compute_logits(paddle.gather(out.hidden_states, rows_dev))  # [B*W, V]
             v = self._decide(plan, logits)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
@@ -101,7 +102,7 @@ class PaddleModelRunner:
         if (wanted < 0).all():
             return None
         shape = tokens.shape
-        ids = paddle.to_tensor(np.maximum(tokens, 0).reshape(-1))
+        ids = host_tensor(np.maximum(tokens, 0).reshape(-1))
         chosen, rank, top_ids, top_lp = gather_logprobs(logits, ids, int(wanted.max()))
         n = top_ids.shape[-1]
         return LogprobRows(chosen.numpy().reshape(shape), rank.numpy().reshape(shape),
@@ -112,11 +113,11 @@ class PaddleModelRunner:
         max_blocks = int(-(-seq_lens_kv.max() // self.config.block_size))
         tables = self.state.block_table[plan.slots, :max_blocks]
         return ForwardBatch(
-            input_ids=paddle.to_tensor(win.token_ids), positions=paddle.to_tensor(win.positions),
-            slot_mapping=paddle.to_tensor(win.slot_mapping),
-            cu_seqlens_q=paddle.to_tensor(win.cu.astype(np.int32)),
-            seq_lens_kv=paddle.to_tensor(seq_lens_kv.astype(np.int32)),
-            block_tables=paddle.to_tensor(tables.astype(np.int32)),
+            input_ids=host_tensor(win.token_ids), positions=host_tensor(win.positions),
+            slot_mapping=host_tensor(win.slot_mapping),
+            cu_seqlens_q=host_tensor(win.cu.astype(np.int32)),
+            seq_lens_kv=host_tensor(seq_lens_kv.astype(np.int32)),
+            block_tables=host_tensor(tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
 
     def _decide(self, plan: StepPlan, logits: paddle.Tensor) -> Verified:
@@ -147,7 +148,7 @@ class PaddleModelRunner:
         if k == 0:
             return self._finish_verify(plan, first, None)
         u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
-        res = verify(probs, greedy, paddle.to_tensor(drafts), None, u_accept, u_sample, temperature)
+        res = verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
         return self._finish_verify(plan, first, res)
 
     def _is_plain_greedy(self, slots: np.ndarray) -> bool:

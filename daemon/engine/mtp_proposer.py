@@ -25,6 +25,7 @@ import paddle
 
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.step_plan import StepPlan
+from mtpserve.host_tensor import host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -44,12 +45,12 @@ class MTPProposer:
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
         ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
         offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
-        at_frontier = paddle.to_tensor(win.cu[:-1] + frontier)  # [B]
+        at_frontier = host_tensor(win.cu[:-1] + frontier)  # [B]
         rows = np.arange(plan.num_rows)
         hidden = main_hidden
         depths = plan.num_depths
         for depth in range(depths):
-            shifted = paddle.to_tensor(ahead[win.row_of, offset + depth])  # [T]
+            shifted = host_tensor(ahead[win.row_of, offset + depth])  # [T]
             last = depth == depths - 1
             # NOTE: the last depth's hidden feeds no further depth: only its frontier rows are needed.
             out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),

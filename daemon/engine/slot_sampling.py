@@ -9,6 +9,7 @@ import paddle
 from mtpserve.engine.sampler import RowParams
 from mtpserve.engine.slot_state import SlotState
 from mtpserve.engine.step_plan import StepPlan
+from mtpserve.host_tensor import host_tensor
 
 
 class SlotSampling:
@@ -43,12 +44,12 @@ class SlotSampling:
     def row_params(self, slots: np.ndarray, out_index: np.ndarray, state: SlotState) -> RowParams:
         """slots: [B]; out_index: [B, W] output position of each verify row -> RowParams of B*W rows."""
         width = out_index.shape[1]
-        per_row = lambda a: paddle.to_tensor(np.repeat(a[slots], width, axis=0))  # noqa: E731
+        per_row = lambda a: host_tensor(np.repeat(a[slots], width, axis=0))  # noqa: E731
         return RowParams(
             temperature=per_row(self.temperature), top_p=per_row(self.top_p),
             top_k=per_row(self.top_k), min_p=per_row(self.min_p), presence=per_row(self.presence),
             frequency=per_row(self.frequency), repetition=per_row(self.repetition),
-            min_tokens=per_row(state.min_tokens), out_index=paddle.to_tensor(out_index.reshape(-1)),
+            min_tokens=per_row(state.min_tokens), out_index=host_tensor(out_index.reshape(-1)),
             keys=per_row(state.keys), stop_ids=per_row(state.stop_ids),
             needs_sort=bool(((self.top_k[slots] > 0) | (self.top_p[slots] < 1)).any()))
 
@@ -66,4 +67,4 @@ class SlotSampling:
         for j in range(1, k + 1):
             np.add.at(counts[:, j], (np.arange(b)[:, None], drafts[:, :j]), 1.0)
         mask = np.repeat(self.prompt_mask[slots], k + 1, axis=0)
-        return paddle.to_tensor(counts.reshape(b * (k + 1), -1)), paddle.to_tensor(mask)
+        return host_tensor(counts.reshape(b * (k + 1), -1)), host_tensor(mask)
