@@ -65,6 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="start one `mtpserve serve` per entry with these flags (instead of --base-url) and "
                    "visit them in turn at every level, e.g. 'k0=--num-speculative-tokens 0' "
                    "'adaptive=--num-speculative-tokens 3'; prints each one's throughput ratios")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --launch: visit every instance this many times per level; the comparison takes "
+                   "each one's median output tok/s (the machine's drift lands on every configuration)")
     p.add_argument("--step-load", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="instead of levels: streams alternate between LOW and HIGH every --step-period "
                    "seconds for --duration seconds (serve_step_load.py)")
@@ -95,13 +98,16 @@ async def run_launched(args: argparse.Namespace) -> dict:
             if args.step_load:
                 return await _step_load_all(session, args, model, instances)
             prompts, runs, levels = make_prompts(args), [], {}
-            for n, concurrency in enumerate(args.concurrency):
-                # NOTE: each level starts with the next instance, so no configuration always goes first
+            visits = [(c, r) for c in args.concurrency for r in range(args.rounds)]
+            for n, (concurrency, round_) in enumerate(visits):
+                # NOTE: each visit starts with the next instance, so no configuration always goes first
                 for instance in instances[n % len(instances):] + instances[:n % len(instances)]:
                     summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
-                    print(format_run(f"{instance.label} concurrency {concurrency}", summary), flush=True)
-                    runs.append({"label": instance.label, "concurrency": concurrency, "summary": summary})
-                    levels.setdefault(concurrency, {})[instance.label] = summary
+                    print(format_run(f"{instance.label} concurrency {concurrency} round {round_ + 1}", summary),
+                          flush=True)
+                    runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
+                                 "summary": summary})
+                    levels.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
     finally:
         stop_all(instances)
     table = comparison(levels, [instance.label for instance in instances])

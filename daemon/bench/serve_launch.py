@@ -6,6 +6,7 @@ minute of the machine lands on all of them alike.
 from __future__ import annotations
 
 import shlex
+import statistics
 import socket
 import subprocess
 import sys
@@ -80,17 +81,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def comparison(levels: dict[int, dict[str, dict]], labels: list[str]) -> list[dict]:
-    """Per concurrency and label (in `labels` order): output tok/s and its ratio to the first label and to
-    the best other."""
+def comparison(levels: dict[int, dict[str, list[dict]]], labels: list[str]) -> list[dict]:
+    """Per concurrency and label (in `labels` order): the median output tok/s of its rounds, and its ratio
+    to the first label's and to the best other's."""
     rows = []
     for concurrency, by_label in levels.items():
-        rates = {label: by_label[label]["output_throughput"] for label in labels}
+        rounds = {label: [s["output_throughput"] for s in by_label[label]] for label in labels}
+        rates = {label: statistics.median(values) for label, values in rounds.items()}
         first = next(iter(rates.values()))
         for label, rate in rates.items():
             others = [r for other, r in rates.items() if other != label]
             rows.append({"concurrency": concurrency, "label": label, "output_throughput": rate,
-                         "ratio_to_first": rate / first if first else None,
+                         "rounds": rounds[label], "ratio_to_first": rate / first if first else None,
                          "ratio_to_best_other": rate / max(others) if others and max(others) else None})
     return rows
 

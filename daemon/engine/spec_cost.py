@@ -76,6 +76,7 @@ class PeriodTable:
         self.mean: dict[tuple[int, int], float] = {}
         self.tokens: dict[tuple[int, int], float] = {}  # tokens the cell's steps emitted, same weighting
         self.count: dict[tuple[int, int], int] = {}
+        self.token_count: dict[tuple[int, int], int] = {}  # steps behind `tokens` (since forget_tokens)
 
     @staticmethod
     def cell(num_rows: int, depth: int) -> tuple[int, int]:
@@ -88,13 +89,21 @@ class PeriodTable:
         # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) step fades
         weight = max(1.0 / count, self.WEIGHT)
         self.mean[key] = self.mean.get(key, 0.0) + weight * (seconds - self.mean.get(key, 0.0))
+        token_count = self.token_count[key] = self.token_count.get(key, 0) + 1
+        weight = max(1.0 / token_count, self.WEIGHT)
         self.tokens[key] = self.tokens.get(key, 0.0) + weight * (tokens - self.tokens.get(key, 0.0))
+
+    def forget_tokens(self) -> None:
+        """Keep the periods, drop the tokens: what the start-up profile's prompt accepted says nothing of
+        clients' drafts, and a cell's measured tokens per second wins over every estimate."""
+        self.tokens.clear()
+        self.token_count.clear()
 
     def tokens_per_second(self, num_rows: int, depth: int) -> float | None:
         """What steps of these rows at this depth delivered, measured: acceptance as it really is (gaps
         in the MTP KV included), over the period as it really is."""
         key = self.cell(num_rows, depth)
-        if self.count.get(key, 0) < self.MIN_SAMPLES:
+        if self.token_count.get(key, 0) < self.MIN_SAMPLES:
             return None
         return self.tokens[key] / max(self.mean[key], 1e-9)
 

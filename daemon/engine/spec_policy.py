@@ -7,7 +7,8 @@ wide as the widest), so the policy decides in two parts:
 
 1. the step's depth D in 0..K: the one whose tokens per second is best: as measured for steps of these
    rows at depth D where there are such steps, else expected, sum_r E_r(min(D, cap_r)) / period(D), with
-   period(D) measured or modelled; the depth in use is kept unless another is better by a margin;
+   period(D) measured or modelled; the shallowest depth within a margin of the best is taken, and one
+   deeper than the depth in use must beat it by the margin too;
 2. each row's drafts k_r <= min(D, cap_r): draft j is worth its window slot when the chance that it is
    reached and accepted, prod_{i<=j} a_i, exceeds what the slot costs in tokens: the step's rate times
    the seconds one more window token adds. A request whose drafts are rarely accepted drafts less.
@@ -54,7 +55,8 @@ def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period:
                  current: int, margin: float, measured: dict[int, float | None] | None = None) -> int:
     """The step's depth. gain: [B, K+1] expected tokens per k; caps, floors: [B]; period(depth): seconds of
     a step of these rows at that depth; measured[depth]: tokens per second such steps delivered, which
-    wins over the estimate; `current` is kept unless another depth is better by `margin`."""
+    wins over the estimate. The shallowest depth within `margin` of the best is taken, and a deeper one
+    than `current` only when it beats `current` by `margin` too."""
     rows, max_depth = np.arange(gain.shape[0]), gain.shape[1] - 1
     rates = {}
     for depth in range(int(floors.max(initial=0)), max_depth + 1):
@@ -62,9 +64,13 @@ def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period:
         seen = measured.get(depth) if measured else None
         rates[depth] = seen if seen is not None else float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
     best = max(rates, key=rates.__getitem__)
-    if current in rates and rates[best] < rates[current] * (1 + margin):
+    # NOTE: a deeper step costs more than its decode periods show (its prefill chunks run every depth
+    # too), so among the depths within `margin` of the best the shallowest is taken; a deeper depth
+    # than the current one must also beat it by `margin`, so noise does not flip the choice.
+    target = min(d for d in rates if rates[d] * (1 + margin) >= rates[best])
+    if current in rates and target > current and rates[target] < rates[current] * (1 + margin):
         return current
-    return best
+    return target
 
 
 def row_drafts(acceptance: np.ndarray, depth: int, caps: np.ndarray, floors: np.ndarray,

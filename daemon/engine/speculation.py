@@ -65,8 +65,10 @@ class Speculation:
         return drafts
 
     def forget_acceptance(self) -> None:
-        """Keep the cost model, drop what was learnt of acceptance (after the start-up profile)."""
+        """Keep the cost model and the measured periods, drop what was learnt of acceptance (after the
+        start-up profile)."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
+        self.periods.forget_tokens()
         self.rows_by_drafts[:] = 0
 
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepShape:

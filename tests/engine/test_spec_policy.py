@@ -135,12 +135,21 @@ def test_a_steady_decode_load_takes_the_depth_its_measured_periods_favour():
     assert steady([2.29, 4.70, 6.40, 8.40], rows=4, acceptance=0.85) == 0
 
 
-def test_a_depth_is_kept_unless_another_is_clearly_better():
+def test_the_shallowest_depth_near_the_best_is_taken_and_deeper_must_be_clearly_better():
     gain = expected_tokens(rates(0.85))
     flat = {0: 4.0, 1: 4.0 * gain[0, 1] * 0.99, 2: 20.0, 3: 30.0}  # depth 1 about 1% better than depth 0
     choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), flat.__getitem__,  # noqa: E731
                                           current, margin=0.03)
-    assert choose(0) == 0 and choose(1) == 1 and choose(3) == 1
+    assert choose(0) == 0 and choose(1) == 0 and choose(3) == 0
+    clear = {**flat, 1: 4.0 * gain[0, 1] * 0.9}  # depth 1 about 10% better than depth 0
+    choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), clear.__getitem__,  # noqa: E731
+                                          current, margin=0.03)
+    assert choose(0) == 1 and choose(1) == 1 and choose(3) == 1
+    # depth 2 within the margin of the best (3) but only 2% better than depth 1, the current: kept
+    band = {0: 4.0, 1: 4.0 * gain[0, 1] * 0.9, 2: 4.0 * gain[0, 2] * 0.9 / 1.02, 3: 4.0 * gain[0, 3] * 0.9 / 1.04}
+    rates_at = {d: float(gain[0, d]) / band[d] for d in band}
+    assert rates_at[2] < rates_at[1] * 1.03 and rates_at[2] * 1.03 >= max(rates_at.values())
+    assert choose_depth(gain, caps(1), np.zeros(1, np.int64), band.__getitem__, 1, margin=0.03) == 1
 
 
 def test_a_depth_not_measured_at_these_rows_is_scaled_from_the_nearest_batch():
