@@ -108,7 +108,8 @@ def make_core(case: Case) -> EngineCore:
     runner = SyntheticRunner(SyntheticConfig(
         step_time_s=case.step_ms / 1e3, acceptance_rate=case.acceptance_rate, vocab_size=32000,
         num_speculative_tokens=case.k, max_num_seqs=case.batch, num_blocks=num_blocks, block_size=16))
-    return EngineCore(CoreConfig(sched, overlap=case.overlap), runner)
+    # NOTE: a fixed k, so busy fractions compare the overlap alone
+    return EngineCore(CoreConfig(sched, overlap=case.overlap, adaptive_speculation=False), runner)
 
 
 def measure(case: Case) -> dict:

@@ -49,7 +49,8 @@ def measure_model(model, model_dir: Path, batch: int, k: int, prompt_len: int, m
                             max_prefill_chunk=512, num_speculative_tokens=k, num_blocks=blocks, block_size=16)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=batch, num_blocks=blocks, block_size=16,
                                                         num_speculative_tokens=k))
-    core = EngineCore(CoreConfig(sched, overlap=True), runner)
+    # NOTE: k is the k measured: every window drafts it (the policy is measured by bench serve --launch)
+    core = EngineCore(CoreConfig(sched, overlap=True, adaptive_speculation=False), runner)
     prompts = heldout_prompts(model_dir, batch * rounds, prompt_len, runner.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     # NOTE: one untimed round first: a fresh runner's first steps pay for new shapes and allocations,
