@@ -2,7 +2,7 @@
 
   mtpserve serve [--config PATH] [--<key> VALUE ...]   run the daemon (HTTP process + rank processes)
   mtpserve config [--example] [...]                    print the effective configuration
-  mtpserve bench {ipc,engine,serve,soak} ...           benchmarks
+  mtpserve bench {ipc,engine,serve,soak,peer,...} ...  benchmarks
   mtpserve version                                     print versions
 
 Every configuration key (config/schema.py) is also a flag of `serve` and `config`; `--help` shows each
@@ -24,7 +24,7 @@ from mtpserve.config import Config, ConfigError, as_toml, iter_keys, load_config
 
 BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve",
                  "mtpserve.bench.tp", "mtpserve.bench.kv", "mtpserve.bench.pd",
-                 "mtpserve.bench.soak", "mtpserve.router.bench")
+                 "mtpserve.bench.soak", "mtpserve.router.bench", "mtpserve.bench.peer")
 EXIT_CONFIG = 2
 
 
@@ -60,7 +60,7 @@ def build_parser(with_bench: bool) -> argparse.ArgumentParser:
     version.set_defaults(func=run_version)
     commands.add_parser("router", help="the PD router: prefill then decode instance per request "
                         "(`mtpserve router --help`)")
-    bench = commands.add_parser("bench", help="benchmarks (ipc, engine, serve, tp, kv, pd, soak, router)")
+    bench = commands.add_parser("bench", help="benchmarks (ipc, engine, serve, tp, kv, pd, soak, router, peer)")
     if with_bench:
         _add_bench_commands(bench)
     return parser

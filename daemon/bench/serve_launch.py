@@ -6,11 +6,12 @@ minute of the machine lands on all of them alike.
 from __future__ import annotations
 
 import shlex
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time
+import typing
 import urllib.error
 import urllib.request
 import uuid
@@ -23,6 +24,7 @@ class Instance:
     url: str
     proc: subprocess.Popen
     name: str  # the instance name (--instance): it keys the IPC objects
+    health_path: typing.ClassVar[str] = "/health"  # answers 200 once the server serves
 
     @classmethod
     def start(cls, spec: str) -> Instance:
@@ -53,7 +55,7 @@ class Instance:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=5) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
