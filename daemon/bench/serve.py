@@ -48,6 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None,
                    help="ask for the sampled token's logprob and this many top logprobs per token")
+    p.add_argument("--max-draft-tokens", type=int, default=None,
+                   help="send mtpserve's per-request draft cap (0: no drafting for these requests)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent before each level, not measured")
@@ -253,6 +255,8 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
     body = {"model": model, "max_tokens": _length(args.output_len, args.range_ratio, prompt),
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": not args.no_ignore_eos}
+    if getattr(args, "max_draft_tokens", None) is not None:
+        body["max_draft_tokens"] = args.max_draft_tokens  # mtpserve's cap on a request's drafts
     if args.endpoint == "chat":
         if args.logprobs is not None:
             body |= {"logprobs": True, "top_logprobs": args.logprobs}

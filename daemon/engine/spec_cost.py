@@ -9,6 +9,8 @@ short profile at start-up (rank_setup.profile_steps) shows it every shape before
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from mtpserve.engine.spec_policy import StepCost
@@ -101,25 +103,33 @@ class PeriodTable:
 
     def tokens_per_second(self, num_rows: int, depth: int) -> float | None:
         """What steps of these rows at this depth delivered, measured: acceptance as it really is (gaps
-        in the MTP KV included), over the period as it really is."""
-        key = self.cell(num_rows, depth)
-        if self.token_count.get(key, 0) < self.MIN_SAMPLES:
-            return None
-        return self.tokens[key] / max(self.mean[key], 1e-9)
+        in the MTP KV included), over the period as it really is. A depth not measured at these rows is
+        scaled from one that is, by the ratio of the two at the nearest batch size where both are (how
+        depths rank hardly changes from 13 rows to 16); else None."""
+        return self._scaled(self.cell(num_rows, depth)[0], depth, self._delivered, self._rate)
 
     def seconds(self, num_rows: int, depth: int) -> float | None:
         """The measured period; else one measured at another depth for these rows, scaled by the ratio
         of the two depths where both are measured at the nearest other batch size; else None."""
-        rows, _ = self.cell(num_rows, depth)
-        if self._known(rows, depth):
-            return self.mean[rows, depth]
-        for other in sorted((d for d in range(self._max_depth + 1) if self._known(rows, d)),
+        return self._scaled(self.cell(num_rows, depth)[0], depth, self._known, self.mean.__getitem__)
+
+    def _scaled(self, rows: int, depth: int, known: Callable[[int, int], bool],
+                value: Callable[[tuple[int, int]], float]) -> float | None:
+        if known(rows, depth):
+            return value((rows, depth))
+        for other in sorted((d for d in range(self._max_depth + 1) if known(rows, d)),
                             key=lambda d: abs(d - depth)):
-            near = [r for r in self._rows() if self._known(r, depth) and self._known(r, other)]
+            near = [r for r in self._rows() if known(r, depth) and known(r, other)]
             if near:
                 ref = min(near, key=lambda r: abs(r - rows))
-                return self.mean[rows, other] * self.mean[ref, depth] / self.mean[ref, other]
+                return value((rows, other)) * value((ref, depth)) / value((ref, other))
         return None
+
+    def _delivered(self, rows: int, depth: int) -> bool:
+        return self.token_count.get((rows, depth), 0) >= self.MIN_SAMPLES
+
+    def _rate(self, key: tuple[int, int]) -> float:
+        return self.tokens[key] / max(self.mean[key], 1e-9)
 
     def _known(self, rows: int, depth: int) -> bool:
         return self.count.get((rows, depth), 0) >= self.MIN_SAMPLES

@@ -162,7 +162,9 @@ def test_a_depth_not_measured_at_these_rows_is_scaled_from_the_nearest_batch():
     assert table.seconds(16, 1) is None  # measured nowhere
     assert table.seconds(4, 2) == pytest.approx(6e-3)
     assert table.tokens_per_second(4, 2) == pytest.approx(10 / 6e-3)
-    assert table.tokens_per_second(16, 2) is None
+    # delivered rates scale the same way: 16 rows at depth 0 times depth 2's gain over depth 0 at 4 rows
+    assert table.tokens_per_second(16, 2) == pytest.approx((16 / 6e-3) * (10 / 6e-3) / (4 / 2e-3))
+    assert table.tokens_per_second(16, 1) is None
 
 
 def test_measured_rates_win_over_the_estimate():
