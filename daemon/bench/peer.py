@@ -271,7 +271,8 @@ def _serve_args(args: argparse.Namespace, base_url: str = "", output_len: int | 
     serve_bench.add_parser(parser.add_subparsers())
     argv = ["serve", "--base-url", base_url, "--dataset", "code", "--num-prompts",
             str(num_prompts or args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-            str(output_len or args.output_len[0]), "--seed", str(args.seed), "--warmup", str(args.warmup)]
+            str(output_len or args.output_len[0]), "--seed", str(args.seed), "--warmup", str(args.warmup),
+            "--no-keepalive"]  # every server alike: llama-server drops kept-alive connections mid-run
     return parser.parse_args(argv + (["--no-progress"] if args.no_progress else []))
 
 

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="ask for the sampled token's logprob and this many top logprobs per token")
     p.add_argument("--max-draft-tokens", type=int, default=None,
                    help="send mtpserve's per-request draft cap (0: no drafting for these requests)")
+    p.add_argument("--no-keepalive", action="store_true",
+                   help="a new connection per request (servers that drop kept-alive connections)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent before each level, not measured")
@@ -142,7 +144,10 @@ def _at(args: argparse.Namespace, url: str) -> argparse.Namespace:
 def _session(args: argparse.Namespace) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    # NOTE: llama.cpp's server closes a kept-alive connection after a few requests, racing the client's
+    # next write on it ("Can not write request body"); --no-keepalive opens a connection per request
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.no_keepalive)
+    return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector)
 
 
 async def run_all(args: argparse.Namespace) -> dict:
