@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from daemon_harness import BUNDLED, model_available
-from mtpserve.bench.peer import first_difference, table, top2_gap
+from mtpserve.bench.peer import first_difference, shared_texts, table, top2_gap
 from mtpserve.bench.peer_gguf import ConversionError, read_vocab, write_gguf
 from mtpserve.model.safetensors_reader import SafetensorsFile
+from mtpserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="no bundled model")
 
@@ -123,6 +124,14 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
     with pytest.raises(ConversionError):
         read_vocab(tmp_path / "tokenizer.json", CONFIG["vocab_size"])
+
+
+def test_texts_several_ids_share_are_the_byte_fragments():
+    """The greedy check compares decoded texts: it must know where a text does not name one id."""
+    tokenizer = Tokenizer.from_model_dir(BUNDLED)
+    shared = shared_texts(tokenizer)
+    assert "\ufffd" in shared  # partial UTF-8 bytes, each alone
+    assert tokenizer.inner.decode([tokenizer.encode("def")[0]]) not in shared
 
 
 def test_first_difference_and_top2_gap():

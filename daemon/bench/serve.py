@@ -260,7 +260,7 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
     body = {"model": model, "max_tokens": _length(args.output_len, args.range_ratio, prompt),
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": not args.no_ignore_eos}
-    if getattr(args, "max_draft_tokens", None) is not None:
+    if args.max_draft_tokens is not None:
         body["max_draft_tokens"] = args.max_draft_tokens  # mtpserve's cap on a request's drafts
     if args.endpoint == "chat":
         if args.logprobs is not None:
