@@ -52,6 +52,9 @@ class EngineConfig:
     num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
     enable_overlap: bool = key(True, "schedule step N+1 while step N runs on the device")
+    enable_prefix_caching: bool = key(True, "reuse the KV of full blocks whose tokens an earlier "
+                                      "request already computed (docs/prefix-caching.md)",
+                                      flag="--enable-prefix-caching")
     dtype: str = key("float32", "compute dtype: float32 (bfloat16 and float16 are refused at start: "
                      "Paddle's CPU build has no such matmul kernels and the model path is float32)",
                      choices=("float32", "bfloat16", "float16"))

@@ -1,7 +1,8 @@
 """The request channel: HTTP process <-> rank 0, over a Unix domain stream socket.
 
-HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`.  Engine -> HTTP: `EngineReady`,
-`EngineStats`, `RequestFailed`, `KVHeld` (ReleaseKV and KVHeld only under PD: docs/pd.md).
+HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`, `ResetPrefixCache`.  Engine -> HTTP:
+`EngineReady`, `EngineStats`, `RequestFailed`, `KVHeld`, `PrefixHits`, `PrefixCacheReset` (ReleaseKV and
+KVHeld only under PD: docs/pd.md).
 Generated tokens do NOT travel here: they use the output path (ipc/ frames over message queues).
 This channel carries the low-rate control traffic only.
 
@@ -84,6 +85,13 @@ class ReleaseKV(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[int]
 
 
+class ResetPrefixCache(msgspec.Struct, frozen=True, tag=True):
+    """Forget every cached prefix (admin endpoint): blocks no request uses are freed, blocks in use are
+    no longer matched. The engine answers with PrefixCacheReset carrying the same `token`."""
+
+    token: int
+
+
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
     """Free these requests (client gone, stop string hit). Unknown ids are ignored."""
 
@@ -130,6 +138,12 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     num_kv_fallbacks: int = 0  # prefilled prompts recomputed here (read failed or lease too short)
     num_preemptions: int = 0  # running requests sent back to waiting to free KV blocks
     num_discarded_rows: int = 0  # computed rows whose request finished, aborted or was preempted after launch
+    # NOTE: prefix caching (docs/prefix-caching.md), counted in tokens as vLLM counts them: a query is
+    # a prompt looked up at admission, a hit a prompt token whose KV came from the cache.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_kv_blocks_cached: int = 0  # blocks whose content can be matched (in use or evictable)
+    num_kv_blocks_evictable: int = 0  # cached blocks no request uses: free, kept until evicted (LRU)
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +151,24 @@ class RequestFailed(msgspec.Struct, frozen=True, tag=True):
 
     request_id: int
     message: str
+
+
+class PrefixHits(msgspec.Struct, frozen=True, tag=True):
+    """Prompt tokens whose KV came from the prefix cache, per request (usage's cached_tokens).
+
+    Sent when the step that admits the requests launches, so before any of their output frames
+    exists; only for requests with a hit (no entry means 0). A preempted request that is admitted
+    again is not reported twice: its first admission counts."""
+
+    request_ids: list[int]
+    cached_tokens: list[int]
+
+
+class PrefixCacheReset(msgspec.Struct, frozen=True, tag=True):
+    """The answer to ResetPrefixCache: how many cached blocks were forgotten."""
+
+    token: int
+    num_blocks: int
 
 
 class KVHeld(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -150,8 +182,8 @@ class KVHeld(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     lease_expires_in: float  # seconds
 
 
-ToEngine = Union[AddRequest, AbortRequest, ReleaseKV]
-ToHttp = Union[EngineReady, EngineStats, RequestFailed, KVHeld]
+ToEngine = Union[AddRequest, AbortRequest, ReleaseKV, ResetPrefixCache]
+ToHttp = Union[EngineReady, EngineStats, RequestFailed, KVHeld, PrefixHits, PrefixCacheReset]
 
 
 class ChannelClosed(ConnectionError):

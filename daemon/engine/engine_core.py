@@ -204,6 +204,25 @@ class EngineCore(Generic[R]):
         self._aborted.clear()
         return out
 
+    # ---- prefix cache (docs/prefix-caching.md) ---------------------------------------------------
+
+    def take_prefix_hits(self) -> list[tuple[RequestId, int]]:
+        """(request id, cached prompt tokens) of the requests first admitted with a hit since the last
+        call; the rank loop sends them (PrefixHits) right after the launch that admitted them."""
+        return self.scheduler.take_prefix_hits()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        return self.scheduler.blocks.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The EngineStats fields of the prefix cache, under their names there."""
+        blocks = self.scheduler.blocks
+        return {"prefix_cache_queries": self.scheduler.prefix_cache_queries,
+                "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+                "num_kv_blocks_cached": blocks.num_cached_blocks,
+                "num_kv_blocks_evictable": blocks.num_evictable_blocks}
+
     def close(self) -> None:
         for launched in self._inflight:
             launched.future.result()
