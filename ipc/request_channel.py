@@ -239,7 +239,7 @@ class RequestChannelClient:
                     raise TimeoutError(f"no engine listening on {path} after {timeout_s}s") from None
                 await asyncio.sleep(0.05)
 
-    def send(self, msg: AddRequest | AbortRequest | ReleaseKV) -> None:
+    def send(self, msg: ToEngine) -> None:
         """Queue a frame on the transport (never blocks; the kernel buffer drains it)."""
         if self._writer.is_closing():
             raise ChannelClosed("request channel closed")
@@ -248,7 +248,7 @@ class RequestChannelClient:
     async def drain(self) -> None:
         await self._writer.drain()
 
-    async def recv(self) -> EngineReady | EngineStats | RequestFailed | KVHeld:
+    async def recv(self) -> ToHttp:
         return await self._codec_in.read(self._reader)
 
     async def wait_ready(self, timeout_s: float = 600.0) -> EngineReady:
@@ -300,7 +300,7 @@ class RequestChannelServer:
         self._ready = ready
         self.send(ready)
 
-    def send(self, msg: EngineReady | EngineStats | RequestFailed | KVHeld) -> None:
+    def send(self, msg: ToHttp) -> None:
         """Broadcast to every connected HTTP process (there is normally one)."""
         frame = self._codec_out.encode(msg)
         for writer in list(self._writers):

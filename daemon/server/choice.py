@@ -55,6 +55,7 @@ class ChoiceState:
         self.num_tokens = 0
         self.num_steps = 0  # engine outputs seen (prefill + each decode step)
         self.num_generated = 0  # tokens the engine sent, including any cut by a stop string
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (PrefixHits)
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.hold_kv = hold_kv

@@ -7,6 +7,8 @@ Request path: route -> `open` -> AddRequest per choice -> engine -> output path 
 needed).
 PD (docs/pd.md): a prefill request's KVHeld comes through `_control_loop` into the same stream; the
 KV of a prefill request whose kv_transfer_params were never answered is released with the stream.
+Prefix caching (docs/prefix-caching.md): PrefixHits sets the choices' cached prompt tokens (usage);
+`reset_prefix_cache` sends ResetPrefixCache and waits for the PrefixCacheReset with its token.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import time
 from typing import NamedTuple
 
@@ -21,15 +24,15 @@ import msgspec
 import structlog
 
 from mtpserve.ipc.request_channel import (
-    AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, KVHeld, ReleaseKV, RemotePrefill,
-    RequestChannelClient, RequestFailed, SamplingParams,
+    AbortRequest, AddRequest, ChannelClosed, EngineReady, EngineStats, KVHeld, PrefixCacheReset, PrefixHits,
+    ReleaseKV, RemotePrefill, RequestChannelClient, RequestFailed, ResetPrefixCache, SamplingParams, ToHttp,
 )
 from mtpserve.ipc.frame_assembler import ReaderStats
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate
 from mtpserve.server.detokenizer import Decoder, IncrementalDetokenizer
 from mtpserve.server.engine_stream import EngineStream
 from mtpserve.web.errors import ApiError
-from mtpserve.server.health import EngineHealth
+from mtpserve.server.health import EngineHealth, EngineState
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import OutputClosed, OutputSource
 from mtpserve.server.stop_strings import StopStringMatcher
@@ -60,6 +63,7 @@ class EngineClient:
         self.tracker = Tracker()
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self._resets: dict[int, asyncio.Future[int]] = {}  # ResetPrefixCache token -> blocks forgotten
 
     def start(self) -> None:
         self.health.ready()
@@ -129,6 +133,24 @@ class EngineClient:
         with contextlib.suppress(ChannelClosed):
             self._channel.send(ReleaseKV(request_ids=engine_ids))
 
+    async def reset_prefix_cache(self, timeout_s: float) -> int:
+        """Have the engine forget every cached prefix; how many blocks it forgot. 503 when the engine
+        is gone or does not answer in `timeout_s`."""
+        if self.health.state is EngineState.DEAD:
+            raise _unavailable(f"The engine is not available ({self.health.reason}).")
+        # NOTE: the engine answers every connected HTTP process, so a token must not be another's.
+        token = random.getrandbits(63)
+        answer = self._resets[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._channel.send(ResetPrefixCache(token))
+            return await asyncio.wait_for(answer, timeout_s)
+        except ChannelClosed:
+            raise _unavailable("The engine is not available.") from None
+        except TimeoutError:
+            raise _unavailable(f"The engine did not reset the prefix cache within {timeout_s:g} s.") from None
+        finally:
+            del self._resets[token]
+
     def _send_abort(self, engine_ids: list[int]) -> None:
         with contextlib.suppress(ChannelClosed):
             self._channel.send(AbortRequest(request_ids=engine_ids))
@@ -163,8 +185,14 @@ class EngineClient:
             log.exception("control loop failed")
             self._engine_gone(f"control loop failed ({type(exc).__name__}: {exc})")
 
-    def _on_control(self, msg: EngineReady | EngineStats | RequestFailed | KVHeld) -> None:
-        if isinstance(msg, KVHeld):
+    def _on_control(self, msg: ToHttp) -> None:
+        if isinstance(msg, PrefixHits):
+            self.tracker.prefix_hits(msg)
+        elif isinstance(msg, PrefixCacheReset):
+            answer = self._resets.get(msg.token)
+            if answer is not None and not answer.done():
+                answer.set_result(msg.num_blocks)
+        elif isinstance(msg, KVHeld):
             if not self.tracker.kv_held(msg):
                 log.info("releasing KV held for a finished request", request_id=msg.request_id)
                 self.release_kv([msg.request_id])
@@ -190,6 +218,13 @@ class EngineClient:
     def _engine_gone(self, reason: str) -> None:
         self.health.dead(reason)
         self.tracker.fail_all(ApiError(503, f"The engine stopped: {reason}", code="engine_dead"))
+        for answer in self._resets.values():
+            if not answer.done():
+                answer.set_exception(ApiError(503, f"The engine stopped: {reason}", code="engine_dead"))
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, message, code="engine_unavailable")
 
 
 def _add_request(req: GenerateRequest, choice: ChoiceState) -> AddRequest:

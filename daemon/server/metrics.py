@@ -66,8 +66,10 @@ class ServerMetrics:
         m = self._model
         self.running = self._gauge("vllm:num_requests_running", "Requests in the running batch.").labels(m)
         self.waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting for admission.").labels(m)
-        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).").labels(m)
-        self.kv_blocks_used = self._gauge("mtpserve:kv_blocks_used", "KV blocks in use.").labels(m)
+        # NOTE: "in use" means held by requests; cached blocks no request holds are free (evicted on demand).
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by requests "
+                                    "(0..1); evictable prefix-cache blocks count as free.").labels(m)
+        self.kv_blocks_used = self._gauge("mtpserve:kv_blocks_used", "KV blocks held by requests.").labels(m)
         self.num_drafts = self._counter("vllm:spec_decode_num_drafts", "Draft rounds.").labels(m)
         self.num_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.").labels(m)
         self.num_accepted = self._counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafts.").labels(m)
@@ -82,6 +84,7 @@ class ServerMetrics:
                                                 "finished, aborted or were preempted after launch.").labels(m),
         }
         self._init_pd()
+        self._init_prefix_cache()
 
     def _init_speculation(self) -> None:
         """The adaptive policy (docs/speculation.md): what it chose, how drafts fare, how well it predicts."""
@@ -122,6 +125,20 @@ class ServerMetrics:
                                               "Prefilled prompts recomputed here instead of read.").labels(m),
         }
 
+    def _init_prefix_cache(self) -> None:
+        """Automatic prefix caching (docs/prefix-caching.md), counted in tokens as vLLM counts it."""
+        m = self._model
+        self.prefix_counters = {
+            "prefix_cache_queries": self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in "
+                                                  "the prefix cache at admission.").labels(m),
+            "prefix_cache_hits": self._counter("vllm:prefix_cache_hits", "Prompt tokens whose KV came from "
+                                               "the prefix cache.").labels(m),
+        }
+        self.prefix_cache_blocks = self._gauge("mtpserve:prefix_cache_blocks", "KV blocks whose content the "
+                                               "prefix cache can match (held by requests or evictable).").labels(m)
+        self.prefix_cache_evictable = self._gauge("mtpserve:prefix_cache_evictable_blocks", "Cached KV blocks "
+                                                  "no request holds: free, kept until evicted (LRU).").labels(m)
+
     def observe_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -139,7 +156,10 @@ class ServerMetrics:
             accepted = stats.num_accepted_per_pos[pos] if pos < len(stats.num_accepted_per_pos) else 0
             self.acceptance_rate.labels(self._model, str(pos)).set(accepted / max(drafted, 1))
         self.kv_held.set(stats.num_kv_held)
-        for name, counter in (self.pd_counters | self.engine_counters | self.spec_seconds).items():
+        self.prefix_cache_blocks.set(stats.num_kv_blocks_cached)
+        self.prefix_cache_evictable.set(stats.num_kv_blocks_evictable)
+        counters = self.pd_counters | self.engine_counters | self.spec_seconds | self.prefix_counters
+        for name, counter in counters.items():
             counter.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self._last_stats = stats
 

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /metrics; POST /tokenize, /detokenize."""
+"""GET /v1/models, /health, /metrics; POST /tokenize, /detokenize, /reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mtpserve.server.context import CONTEXT
-from mtpserve.web.errors import bad_request
+from mtpserve.web.errors import ApiError, bad_request
 from mtpserve.server.prompts import tokenize_chat, tokenize_prompts
 from mtpserve.server.routes_completions import check_model
 from mtpserve.server.sampling import check_prompt_ids
 from mtpserve.server.schema import DetokenizeRequest, TokenizeRequest, decode_body
 
 _STARTED = int(time.time())
+RESET_TIMEOUT_S = 10.0  # NOTE: the engine answers at its next intake, at most a step away
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -65,9 +66,19 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": ctx.text.decode(req.tokens)})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's admin endpoint (behind the API key): the engine forgets every cached prefix. Any body is
+    ignored. Every PD role serves it: each instance has its own cache."""
+    engine = request.app[CONTEXT].engine  # NOTE: not require_engine: a draining instance may still reset
+    if engine is None:
+        raise ApiError(503, "The engine is not connected.", code="unavailable")
+    return web.json_response({"num_blocks": await engine.reset_prefix_cache(RESET_TIMEOUT_S)})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)

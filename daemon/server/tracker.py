@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import NamedTuple
 
-from mtpserve.ipc.request_channel import KVHeld
+from mtpserve.ipc.request_channel import KVHeld, PrefixHits
 from mtpserve.server.choice import ChoiceState, ChoiceUpdate, Timed
 from mtpserve.web.errors import ApiError
 from mtpserve.server.outputs import TokenDelta
@@ -95,6 +95,14 @@ class Tracker:
         if stream is not None:
             stream.put(HeldKV(time.monotonic(), msg))
         return stream is not None
+
+    def prefix_hits(self, msg: PrefixHits) -> None:
+        """Record each choice's cached prompt tokens; the engine sends them before the choice's first
+        frame, and usage reads them at the end (ids already released are ignored)."""
+        for engine_id, num_tokens in zip(msg.request_ids, msg.cached_tokens):
+            stream = self._streams.get(engine_id)
+            if stream is not None:
+                stream.by_engine_id[engine_id].num_cached_tokens = num_tokens
 
     def fail(self, engine_id: int, error: ApiError) -> None:
         stream = self._streams.get(engine_id)

@@ -6,7 +6,9 @@ supervisor would. Generation is deterministic and checkable: output token i of a
 prompt[i % len(prompt)]; the first step emits one token (prefill), later steps 1..k+1 tokens (a
 fixed pattern standing in for MTP acceptance); logprobs are a function of the token id, with a
 descending top-k whose first entry is the sampled token. KV blocks are accounted per request, so
-tests can watch them return to idle after aborts.
+tests can watch them return to idle after aborts. A prefix cache stands in for the real one: the full
+prompt blocks of every request that ran a step are cached, a later prompt hits its longest cached run
+of full blocks short of its last token (PrefixHits at admission), ResetPrefixCache forgets them all.
 
 Usage: python fake_engine.py RUNTIME_DIR INSTANCE [--vocab-size V] [--max-model-len L] [--k K] [--step-ms MS]
 """
@@ -22,7 +24,8 @@ from pathlib import Path
 import uvloop
 
 from mtpserve.ipc.request_channel import (
-    AbortRequest, AddRequest, EngineReady, EngineStats, RequestChannelServer, SamplingParams,
+    AbortRequest, AddRequest, EngineReady, EngineStats, PrefixCacheReset, PrefixHits, RequestChannelServer,
+    ResetPrefixCache, SamplingParams,
 )
 from mtpserve.lifecycle import die_with_parent
 from fake_frames import FrameSink, OutputRow
@@ -55,6 +58,39 @@ class FakeRequest:
         return math.ceil((len(self.add.prompt_token_ids) + len(self.generated)) / BLOCK_SIZE)
 
 
+class FakePrefixCache:
+    """Cached blocks keyed by the prompt tokens up to each block's end (the hash chain, spelled out)."""
+
+    def __init__(self) -> None:
+        self.blocks: set[tuple[int, ...]] = set()
+        self.queries = self.hits = 0  # prompt tokens looked up / found, as EngineStats counts them
+
+    def match(self, prompt: list[int]) -> int:
+        """The prompt's cached tokens at admission; the last prompt token is always computed."""
+        cached = 0
+        while cached + BLOCK_SIZE < len(prompt) and tuple(prompt[:cached + BLOCK_SIZE]) in self.blocks:
+            cached += BLOCK_SIZE
+        self.queries += len(prompt)
+        self.hits += cached
+        return cached
+
+    def store(self, prompt: list[int]) -> None:
+        self.blocks.update(_full_blocks(prompt))
+
+    def num_evictable(self, running: list[FakeRequest]) -> int:
+        held = {block for req in running for block in _full_blocks(req.add.prompt_token_ids)}
+        return len(self.blocks - held)
+
+    def reset(self) -> int:
+        num_blocks = len(self.blocks)
+        self.blocks.clear()
+        return num_blocks
+
+
+def _full_blocks(prompt: list[int]) -> list[tuple[int, ...]]:
+    return [tuple(prompt[:end]) for end in range(BLOCK_SIZE, len(prompt) + 1, BLOCK_SIZE)]
+
+
 class FakeEngine:
     def __init__(self, server: RequestChannelServer, sink: FrameSink, args: argparse.Namespace) -> None:
         self.server, self.sink, self.args = server, sink, args
@@ -65,6 +101,7 @@ class FakeEngine:
         # per abort, and one discarded row per finished request.
         self.num_aborted = self.num_finished = 0
         self.accepted_per_pos = [0] * args.k
+        self.prefix_cache = FakePrefixCache()
 
     async def run(self) -> None:
         last_stats = 0.0
@@ -80,12 +117,22 @@ class FakeEngine:
             await asyncio.sleep(self.args.step_ms / 1000 if self.running else 0.005)
 
     def intake(self) -> None:
+        hits: list[tuple[int, int]] = []  # (request id, cached prompt tokens)
         for msg in self.server.poll():
             if isinstance(msg, AddRequest):
                 self.running[msg.request_id] = FakeRequest(msg)
+                hits.append((msg.request_id, self.prefix_cache.match(msg.prompt_token_ids)))
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     self.num_aborted += self.running.pop(rid, None) is not None
+            elif isinstance(msg, ResetPrefixCache):
+                self.reset_prefix_cache(msg)
+        hits = [(rid, n) for rid, n in hits if n]
+        if hits:  # NOTE: before the requests' first frames, as the rank loop sends them
+            self.server.send(PrefixHits([rid for rid, _ in hits], [n for _, n in hits]))
+
+    def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        self.server.send(PrefixCacheReset(msg.token, self.prefix_cache.reset()))
 
     def step(self) -> list[OutputRow]:
         self.step_id += 1
@@ -99,6 +146,8 @@ class FakeEngine:
     def _advance(self, req: FakeRequest) -> OutputRow:
         want = 1 if req.steps == 0 else 1 + (req.add.request_id + req.steps) % (self.args.k + 1)
         is_decode = req.steps > 0
+        if not is_decode:
+            self.prefix_cache.store(req.add.prompt_token_ids)  # NOTE: cached once its prefill ran
         req.steps += 1
         prompt, params = req.add.prompt_token_ids, req.params
         new, finish = [], None
@@ -134,7 +183,11 @@ class FakeEngine:
                            num_kv_blocks_total=NUM_BLOCKS, num_drafts=self.num_drafts,
                            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted,
                            num_accepted_per_pos=list(self.accepted_per_pos),
-                           num_preemptions=self.num_aborted, num_discarded_rows=self.num_finished)
+                           num_preemptions=self.num_aborted, num_discarded_rows=self.num_finished,
+                           prefix_cache_queries=self.prefix_cache.queries,
+                           prefix_cache_hits=self.prefix_cache.hits,
+                           num_kv_blocks_cached=len(self.prefix_cache.blocks),
+                           num_kv_blocks_evictable=self.prefix_cache.num_evictable(list(self.running.values())))
 
 
 async def amain(args: argparse.Namespace) -> None:

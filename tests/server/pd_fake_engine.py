@@ -20,7 +20,7 @@ from fake_engine import BLOCK_SIZE, NUM_BLOCKS, FakeEngine, FakeRequest
 from fake_frames import FINISH_CODES, FrameSink, OutputRow, _logprob_arrays
 from mtpserve.ipc import wire
 from mtpserve.ipc.request_channel import (
-    AddRequest, EngineReady, KVHeld, KVLayout, ReleaseKV, RequestChannelServer,
+    AddRequest, EngineReady, KVHeld, KVLayout, ReleaseKV, RequestChannelServer, ResetPrefixCache,
 )
 from mtpserve.ipc.wire_encode import encode_token_frame
 
@@ -91,6 +91,8 @@ class PdFakeEngine(FakeEngine):
             elif isinstance(msg, ReleaseKV):
                 for rid in msg.request_ids:
                     self.held.pop(rid, None)
+            elif isinstance(msg, ResetPrefixCache):
+                self.reset_prefix_cache(msg)
             else:
                 for rid in msg.request_ids:
                     self.running.pop(rid, None)
