@@ -1,7 +1,18 @@
-"""Paged KV block accounting: a free list of fixed-size blocks, handed out per request."""
+"""Paged KV block accounting: reference-counted fixed-size blocks, and the prefix cache's index of them.
+
+A block is in one of three states:
+  * free: on the free heap, content meaningless;
+  * used: `refs > 0` block tables hold it (a cached block may be held by several requests);
+  * evictable: cached (its content is indexed by a hash) but no table holds it. It counts as free:
+    taking a block when the free heap is empty evicts the least recently released evictable block.
+Only full blocks whose KV a finished step wrote are cached (`register`), and a request writes only into
+blocks it alone holds, so a cached block's content never changes while it is indexed.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import heapq
 
 
@@ -9,12 +20,34 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockManager:
-    """Owns the ids `0 .. num_blocks-1`; a block is either free or in exactly one block table.
+@dataclasses.dataclass(frozen=True)
+class CachedKV:
+    """What a cached block's content depends on beyond the tokens its hash covers
+    (docs/prefix-caching.md).
 
-    NOTE: pure host accounting. The device reads block tables that the engine copies with each step,
-    so freeing here while a launched step still writes the old owner's KV is safe: the device runs
-    steps in launch order, and any new owner's writes come in a later step.
+    `lookahead`: the tokens past the block's end that its MTP KV read (MTP depth i at position t reads
+    the token at t+i+1), k of them; None when some were drafts. A block is reused inside a match only
+    when the new request has these same tokens there; otherwise it may end a match, whose last k
+    positions are recomputed anyway.
+    `mtp_depths`: the MTP depths that ran over it (fewer under adaptive speculation: deeper depths left
+    gaps, which a request that matches it inherits as if it had run those steps itself).
+    """
+
+    lookahead: tuple[int, ...] | None
+    mtp_depths: int
+
+    def better_than(self, other: CachedKV) -> bool:
+        """Of two blocks with the same tokens that a match could use in the same places."""
+        return (self.lookahead is not None, self.mtp_depths) > (other.lookahead is not None, other.mtp_depths)
+
+
+class BlockManager:
+    """Owns the ids `0 .. num_blocks-1`.
+
+    NOTE: pure host accounting. The device reads block tables (and applies block copies) that the engine
+    copies with each step, so freeing or evicting here while a launched step still reads or writes the
+    old content is safe: the device runs steps in launch order, copies before the forward pass, and any
+    new owner's writes come in the same step's forward pass or later.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -25,41 +58,152 @@ class BlockManager:
         # NOTE: a min-heap, lowest id first, so a request's blocks tend to be consecutive: a PD KV read
         # is one copy per run of consecutive blocks, and each copy costs ~60 us over TCP.
         self._free: list[int] = list(range(num_blocks))
-        self._is_used = [False] * num_blocks
+        self._refs = [0] * num_blocks
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
+        self._hash_of: dict[int, bytes] = {}
+        # NOTE: several blocks may share a hash, one per lookahead (the same prefix, continued differently)
+        self._blocks_of: dict[bytes, dict[int, CachedKV]] = {}
+
+    # ---- counts ---------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request can take: free, plus cached ones no table holds (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    # ---- taking and releasing -------------------------------------------------------------------
 
     def num_missing(self, block_ids: list[int], num_tokens: int) -> int:
         """How many more blocks a table needs to hold `num_tokens` token slots."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(block_ids))
 
     def can_grow(self, block_ids: list[int], num_tokens: int) -> bool:
-        return self.num_missing(block_ids, num_tokens) <= len(self._free)
+        return self.num_missing(block_ids, num_tokens) <= self.num_free_blocks
 
     def grow(self, block_ids: list[int], num_tokens: int) -> list[int]:
         """Append blocks to `block_ids` (in place) to cover `num_tokens`; returns the new ones."""
         missing = self.num_missing(block_ids, num_tokens)
-        if missing > len(self._free):
-            raise MemoryError(f"need {missing} KV blocks, {len(self._free)} free")
-        new = [self._take() for _ in range(missing)]
+        if missing > self.num_free_blocks:
+            raise MemoryError(f"need {missing} KV blocks, {self.num_free_blocks} free")
+        new = [self.take() for _ in range(missing)]
         block_ids.extend(new)
         return new
 
-    def free(self, block_ids: list[int]) -> None:
+    def take(self) -> int:
+        """One block for a table to write into: a free one, else the least recently released
+        evictable one, which leaves the cache."""
+        if self._free:
+            block = heapq.heappop(self._free)
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            raise MemoryError("no free KV block")
+        self._refs[block] = 1
+        return block
+
+    def share(self, block_ids: list[int]) -> None:
+        """Another table holds these cached blocks (a prefix hit)."""
         for block in block_ids:
-            if not self._is_used[block]:
+            if block not in self._hash_of:
+                raise ValueError(f"KV block {block} is not cached: it cannot be shared")
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Release a table's blocks (and empty it). A cached block no table holds any more stays
+        cached until evicted.
+
+        NOTE: released last block first, so that under pressure a sequence's tail is evicted before
+        its head: the head is the part other prompts share."""
+        for block in reversed(block_ids):
+            if self._refs[block] <= 0:
                 raise ValueError(f"double free of KV block {block}")
-            self._is_used[block] = False
-            heapq.heappush(self._free, block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    heapq.heappush(self._free, block)
         block_ids.clear()
 
-    def _take(self) -> int:
-        block = heapq.heappop(self._free)
-        self._is_used[block] = True
-        return block
+    # ---- the prefix cache's index ---------------------------------------------------------------
+
+    def lookup(self, block_hash: bytes, next_tokens: tuple[int, ...]) -> tuple[int, CachedKV] | None:
+        """A cached block holding these tokens: the one whose lookahead is `next_tokens` if there is one
+        (it may continue a match), else the one with the most MTP depths (it may only end one)."""
+        candidates = self._blocks_of.get(block_hash)
+        if not candidates:
+            return None
+        best = max(candidates.items(), key=lambda item: (item[1].lookahead == next_tokens, item[1].mtp_depths))
+        return best
+
+    def register(self, block: int, block_hash: bytes, kv: CachedKV) -> bool:
+        """Index a held, full block by its hash; True if a match can now find it.
+
+        A block with the same hash and lookahead stays the indexed one unless this one ran more MTP
+        depths; a lookahead of drafts (None) is indexed only while no other block has the hash."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"KV block {block} is not held: it cannot be cached")
+        if block in self._hash_of:
+            return self._hash_of[block] == block_hash
+        candidates = self._blocks_of.setdefault(block_hash, {})
+        for other, other_kv in list(candidates.items()):
+            same = other_kv.lookahead == kv.lookahead or other_kv.lookahead is None or kv.lookahead is None
+            if not same:
+                continue
+            if not kv.better_than(other_kv):
+                return False
+            self._uncache(other)
+        self._blocks_of.setdefault(block_hash, {})[block] = kv
+        self._hash_of[block] = block_hash
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block: evictable ones become free, held ones stay with their tables
+        but are matched no more. Returns how many were forgotten."""
+        forgotten = list(self._hash_of)
+        for block in forgotten:
+            self._uncache(block)
+        return len(forgotten)
+
+    def _uncache(self, block: int) -> None:
+        self._forget(block)
+        if block in self._evictable:
+            del self._evictable[block]
+            heapq.heappush(self._free, block)
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        candidates = self._blocks_of[block_hash]
+        del candidates[block]
+        if not candidates:
+            del self._blocks_of[block_hash]
+
+    def check(self) -> None:
+        """Raise AssertionError unless the accounting is consistent (tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free heap twice"
+        for block in range(self.num_blocks):
+            in_free, evictable = block in free, block in self._evictable
+            assert in_free + evictable + (self._refs[block] > 0) == 1, f"block {block} is in two states"
+            assert not (in_free and block in self._hash_of), f"free block {block} is still cached"
+            assert not evictable or block in self._hash_of, f"evictable block {block} is not cached"
+        assert all(b in self._blocks_of[h] for b, h in self._hash_of.items()), "hash index out of step"
+        assert sum(map(len, self._blocks_of.values())) == len(self._hash_of), "hash index sizes differ"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mtpserve.config import EngineConfig, SpeculativeConfig
+from mtpserve.engine import prefix_cache
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.kv_connector import KVConnector
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner, kv_blocks_for_budget
@@ -37,7 +38,10 @@ def core_config(model: MiMoForCausalLM, engine: EngineConfig, runner: ModelRunne
                             max_prefill_chunk=engine.max_prefill_chunk,
                             num_speculative_tokens=runner.num_speculative_tokens, num_blocks=runner.num_blocks,
                             block_size=engine.block_size,
-                            max_model_len=engine.max_model_len or model.config.max_position_embeddings)
+                            max_model_len=engine.max_model_len or model.config.max_position_embeddings,
+                            enable_prefix_caching=engine.enable_prefix_caching,
+                            cache_salt=prefix_cache.salt(engine.model, engine.dtype, runner.kv_dtype,
+                                                         runner.block_size))
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())
     return CoreConfig(sched, overlap=engine.enable_overlap, eos_token_ids=eos, seed=engine.seed,
                       adaptive_speculation=speculative.adaptive)

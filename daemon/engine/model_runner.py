@@ -20,7 +20,7 @@ from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.mtp_proposer import MTPProposer
 from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
-from mtpserve.engine.slot_state import SlotState, Window
+from mtpserve.engine.slot_state import SlotState, Window, block_rows
 from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
 from mtpserve.host_tensor import host_tensor
@@ -77,6 +77,7 @@ class PaddleModelRunner:
     def _execute(self, plan: StepPlan) -> StepResult:
         with paddle.no_grad():
             self.state.apply_writes(plan)
+            self._copy_blocks(plan.block_copies)
             self.sampling.apply_inserts(plan)
             win = self.state.window(plan)
             batch = self._forward_batch(plan, win)
@@ -95,6 +96,15 @@ class PaddleModelRunner:
                                                reason, self.state)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
                               logprobs, drafts)
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Prefix hits' private copies of cached blocks, main and MTP KV, before anything writes."""
+        if not copies:
+            return
+        src, dst = block_rows(copies, self.config.block_size)
+        src_rows, dst_rows = host_tensor(src), host_tensor(dst)
+        for cache in (self.kv, *(self.proposer.kv if self.proposer else ())):
+            cache.copy_blocks(src_rows, dst_rows)
 
     def _logprobs(self, plan: StepPlan, logits: paddle.Tensor, tokens: np.ndarray) -> LogprobRows | None:
         """Raw logprobs of the emitted tokens [B, k+1] (-1 padded) from the raw verify-row logits."""

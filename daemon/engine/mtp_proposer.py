@@ -12,8 +12,10 @@ its last accepted position; depth i's output there is draft i+1, written to ahea
 past the frontier are filled with a placeholder; their MTP KV is rewritten before anything reads it.
 
 NOTE: each depth has its own KV cache even when layers are reused, so depth i never overwrites the
-context keys of depth i-L. Depth i >= 1 keys at the few positions before each step's frontier were
-computed from draft tokens and are not recomputed; that can only lower acceptance, never change output.
+context keys of depth i-L. In a decode window, depth i >= 1 keys at the few positions before the
+frontier were computed from draft tokens and are not recomputed; that can only lower acceptance, never
+change output. A prefill chunk's are exact: the next chunk's first tokens are known (unless the prompt
+ends within k-1 tokens of the chunk, where they read placeholders for the tokens still to be sampled).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class MTPProposer:
         generating into `state.drafts`, and return every row's drafts [B, k] (a PD prefill hands those of
         its finished rows on; past the depths run they are placeholders, which only lower acceptance)."""
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
-        ahead = self._ahead(plan, win, verified.token_ids)  # [B, W]
+        ahead, known = self._ahead(plan, win, verified.token_ids)  # [B, W] each
         offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
         at_frontier = host_tensor(win.cu[:-1] + frontier)  # [B]
         rows = np.arange(plan.num_rows)
@@ -56,7 +58,9 @@ class MTPProposer:
             out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
                                      out_rows=at_frontier if last else None)
             head_in = out.hidden_states if last else paddle.gather(out.hidden_states, at_frontier)
-            ahead[rows, frontier + depth + 1] = self.model.draft_token_ids(head_in).numpy()  # [B]
+            col = frontier + depth + 1
+            draft = self.model.draft_token_ids(head_in).numpy()  # [B]
+            ahead[rows, col] = np.where(known[rows, col], ahead[rows, col], draft)
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)
         drafts = ahead[rows[:, None], frontier[:, None] + 1 + np.arange(self.k)[None, :]]  # [B, k]
@@ -69,10 +73,15 @@ class MTPProposer:
         depth_ctx.kv = self.kv[depth]
         return depth_ctx
 
-    def _ahead(self, plan: StepPlan, win: Window, token_ids: np.ndarray) -> np.ndarray:
-        """[B, W] with W = longest row + k + 1: the token after each position, as far as known."""
+    def _ahead(self, plan: StepPlan, win: Window, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[B, W] with W = longest row + k + 1: the token after each position, as far as known; and
+        [B, W] True past a non-emitting chunk's frontier where that token is a prompt token.
+
+        NOTE: a draft must not overwrite those: deeper depths at the chunk's last positions read them,
+        and their MTP KV is never computed again (a prefix-cache hit must find what a miss computes)."""
         width = int(plan.num_tokens.max()) + self.k + 1
         ahead = np.zeros((plan.num_rows, width), np.int64)  # 0 = placeholder, a valid id
+        known = np.zeros((plan.num_rows, width), bool)
         decode = ~plan.is_prefill
         emitted = np.where(token_ids >= 0, token_ids, 0)
         ahead[decode, :emitted.shape[1]] = emitted[decode]
@@ -85,4 +94,5 @@ class MTPProposer:
             if not plan.emits[b] and self.k > 1:
                 nxt = plan.prefill_next_ids[b, 1:]
                 ahead[b, n:n + nxt.shape[0]] = np.maximum(nxt, 0)
-        return ahead
+                known[b, n:n + nxt.shape[0]] = nxt >= 0
+        return ahead, known

@@ -85,6 +85,10 @@ class Request:
         self.hold_kv = req.hold_kv
         self.remote = req.remote  # None once its KV arrived (or the engine fell back to recompute)
         self.remote_start: tuple[int, np.ndarray] | None = None  # (last token, drafts) of arrived KV
+        # NOTE: prefix caching (prefix_cache.py). KV read from a prefill instance is not cached here.
+        self.caches_prefix = req.remote is None
+        self.block_hashes: list[bytes] = []  # of its full blocks of tokens, kept across preemptions
+        self.num_cached_tokens: int | None = None  # prompt tokens reused at its first admission
         if req.remote is not None:
             self.output_ids.append(req.remote.first_token_id)
         self._reset_progress()
@@ -100,10 +104,16 @@ class Request:
         self.num_inflight_steps = 0
         self.num_drafts = 0  # drafts the device holds for the next decode window (the policy's choice)
         self.mtp_depth = 1 << 30  # the fewest MTP depths any step of it ran: deeper ones have gaps
+        self.num_blocks_cached = 0  # leading blocks of its table already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
         return int(self.prompt_ids.shape[0]) + len(self.output_ids)
+
+    @property
+    def sequence(self) -> np.ndarray:
+        """Every token it has [N] (prompt + outputs), int64."""
+        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])
 
     @property
     def is_prefilling(self) -> bool:
@@ -141,6 +151,7 @@ class Request:
     def kv_lost(self) -> None:
         """The prefill's KV cannot be read: recompute the prompt (and the first token's KV) here."""
         self.remote = None
+        self.caches_prefix = True
         self._reset_progress()
 
     def finish(self, reason: FinishReason) -> None:

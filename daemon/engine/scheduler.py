@@ -6,8 +6,10 @@ Pure host policy, no device code. One call to `schedule()` plans one step:
   2. when KV runs out, the latest-arrived running request is preempted (recompute later) until the
      earlier one fits; nobody is admitted in a step that preempted;
   3. waiting requests in arrival order while a slot, token budget and KV blocks remain; the first
-     one that does not fit stops admission (no overtaking).
-Results come back through `commit()`, one step late when the engine overlaps.
+     one that does not fit stops admission (no overtaking). With prefix caching a request first
+     reuses the longest cached prefix of its blocks (prefix_cache.py) and prefills only the rest.
+Results come back through `commit()`, one step late when the engine overlaps; it offers the blocks
+they filled to the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import dataclasses
 from collections.abc import Callable
 
 from mtpserve.config import EngineConfig
+from mtpserve.engine import prefix_cache
 from mtpserve.engine.block_manager import BlockManager, blocks_for
+from mtpserve.engine.prefix_cache import NO_HIT, PrefixHit
 from mtpserve.engine.request import FinishReason, Request, RequestStatus
 
 _ENGINE = EngineConfig()  # the configuration's defaults
@@ -44,6 +48,9 @@ class SchedulerConfig:
     num_blocks: int = 1024
     block_size: int = _ENGINE.block_size
     max_model_len: int = 0  # prompt + max_tokens limit; 0: only the KV capacity limits
+    # NOTE: the daemon turns it on ([engine] enable_prefix_caching); in-process engines opt in.
+    enable_prefix_caching: bool = False
+    cache_salt: bytes = b""  # the root of the block hash chains: the model and KV layout (prefix_cache.salt)
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "num_blocks", "block_size")
@@ -89,6 +96,9 @@ class SchedulePlan:
     inserts: tuple[Request, ...]  # requests that take a device slot in this step
     block_writes: tuple[BlockWrite, ...]
     preempted: tuple[Request, ...]
+    # NOTE: (source, destination) KV blocks, copied in order before the step's forward pass: a prefix
+    # hit's private copy of the block its recomputed positions are in.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -106,10 +116,11 @@ class _PlanBuilder:
     inserts: list[Request] = dataclasses.field(default_factory=list)
     block_writes: list[BlockWrite] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def build(self) -> SchedulePlan:
         return SchedulePlan(tuple(self.rows), tuple(self.inserts), tuple(self.block_writes),
-                            tuple(self.preempted))
+                            tuple(self.preempted), tuple(self.block_copies))
 
 
 class Scheduler:
@@ -122,6 +133,9 @@ class Scheduler:
         self._by_id: dict[RequestId, Request] = {}
         self._on_finish = on_finish
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prefill tokens looked up at admission (vLLM's count)
+        self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
+        self._prefix_hits: list[tuple[RequestId, int]] = []  # first admissions with a hit, not yet taken
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -175,24 +189,88 @@ class Scheduler:
     def _admit_waiting(self, plan: _PlanBuilder) -> None:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
-            num_tokens = self._num_new_tokens(request, plan.budget)
-            needed = request.num_kv_tokens + num_tokens  # KV that arrived from a prefill instance
-            if num_tokens == 0 or not self.blocks.can_grow(request.block_ids, needed):
+            hit = self._prefix_hit(request)
+            num_tokens = self._num_new_tokens(request, plan.budget, skip=hit.num_computed)
+            needed = max(request.num_kv_tokens, hit.num_computed) + num_tokens
+            if num_tokens <= 0 or not self._fits(request, hit, needed):
                 return
             self.waiting.popleft()
             self._start(request)
             plan.inserts.append(request)
+            self._reuse(request, hit, plan)
             if request.block_ids:
                 plan.block_writes.append(BlockWrite(request.slot_id, 0, tuple(request.block_ids)))
             self._grow(request, needed, plan)
             self._add_row(request, num_tokens, plan)
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
+    def _fits(self, request: Request, hit: PrefixHit, num_tokens: int) -> bool:
+        """KV for `num_tokens` positions, the hit's shared blocks counted as held (taking one that no
+        table holds removes it from the free count)."""
+        missing = blocks_for(num_tokens, self.config.block_size) - len(request.block_ids) - hit.num_shared
+        idle = sum(self.blocks.refs(b) == 0 for b in hit.shared)
+        return missing + idle <= self.blocks.num_free_blocks
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+
+    def _prefix_hit(self, request: Request) -> PrefixHit:
+        if not (self.config.enable_prefix_caching and request.caches_prefix) or request.block_ids:
+            return NO_HIT
+        hashes = prefix_cache.chain_hashes(request.prefill_ids, self.config.block_size,
+                                           self.config.cache_salt, request.block_hashes)
+        return prefix_cache.find(self.blocks, hashes, request.prefill_ids, self.config.num_speculative_tokens)
+
+    def _reuse(self, request: Request, hit: PrefixHit, plan: _PlanBuilder) -> None:
+        """Start an admitted request's table with its prefix hit (its first admission reports it)."""
+        if self.config.enable_prefix_caching and request.caches_prefix:
+            self.prefix_cache_queries += request.num_prefill_tokens
+            self.prefix_cache_hits += hit.num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_computed
+                if hit.num_computed:
+                    self._prefix_hits.append((request.request_id, hit.num_computed))
+        if hit is NO_HIT:
+            return
+        self.blocks.share(list(hit.shared))
+        request.block_ids = list(hit.shared)
+        if hit.copy_from is not None:
+            # NOTE: the source may be evicted by a later take in this same plan; the copy still reads
+            # its content, since copies run before the step's forward pass writes anything
+            copy = self.blocks.take()
+            request.block_ids.append(copy)
+            plan.block_copies.append((hit.copy_from, copy))
+        request.num_blocks_cached = hit.num_shared
+        request.num_kv_tokens = request.num_prefill_scheduled = hit.num_computed
+        request.mtp_depth = min(request.mtp_depth, hit.mtp_depths)
+
+    def _cache_blocks(self, request: Request) -> None:
+        """Offer the full blocks a finished step wrote to the prefix cache, in order."""
+        bs, k = self.config.block_size, self.config.num_speculative_tokens
+        num_full = min(request.num_kv_tokens // bs, len(request.block_ids))
+        sequence = None
+        while request.num_blocks_cached < num_full:
+            j = request.num_blocks_cached
+            if prefix_cache.beyond_cache(j, bs, request.num_prefill_tokens, k):
+                request.num_blocks_cached = len(request.block_ids) + (1 << 30)
+                return
+            sequence = request.sequence if sequence is None else sequence
+            kv = prefix_cache.cached_kv(j, bs, request.num_prefill_tokens, sequence, k, request.mtp_depth)
+            if kv is None:
+                return
+            hashes = prefix_cache.chain_hashes(sequence, bs, self.config.cache_salt, request.block_hashes)
+            self.blocks.register(request.block_ids[j], hashes[j], kv)
+            request.num_blocks_cached += 1
+
+    def take_prefix_hits(self) -> list[tuple[RequestId, int]]:
+        hits, self._prefix_hits = self._prefix_hits, []
+        return hits
+
+    def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
+        """The next row's tokens; `skip`: prompt positions a prefix hit provides."""
         if not request.is_prefilling:
             # NOTE: the window verifies the drafts the policy had this request propose last step
             window = min(request.num_drafts, self.config.num_speculative_tokens) + 1
             return window if budget >= window else 0
-        remaining = request.num_prefill_tokens - request.num_prefill_scheduled
+        remaining = request.num_prefill_tokens - max(request.num_prefill_scheduled, skip)
         return max(0, min(remaining, budget, self.config.max_prefill_chunk))
 
     def _is_surely_done(self, request: Request) -> bool:
@@ -295,6 +373,8 @@ class Scheduler:
         # slot per emitted token; a prefill chunk keeps all of its tokens.
         request.num_kv_tokens += row.num_tokens if row.is_prefill else len(token_ids)
         request.output_ids.extend(token_ids)
+        if self.config.enable_prefix_caching and request.caches_prefix:
+            self._cache_blocks(request)
         if reason is not FinishReason.NONE:
             self._finish(request, reason)
 

@@ -137,6 +137,13 @@ class SlotState:
         self.stopped[slots] |= has_end
 
 
+def block_rows(copies: tuple[tuple[int, int], ...], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) blocks -> their token rows in a flat KV tensor, [N * block_size] each."""
+    pairs = np.asarray(copies, np.int64).reshape(-1, 2)
+    offsets = np.arange(block_size, dtype=np.int64)
+    return ((pairs[:, :1] * block_size + offsets).reshape(-1), (pairs[:, 1:] * block_size + offsets).reshape(-1))
+
+
 def _fit(drafts: np.ndarray, k: int) -> np.ndarray:
     """Another instance's drafts cut or padded (with a valid id) to this engine's k: drafts are
     only guesses, so this can lower acceptance but never change the output."""

@@ -1,8 +1,8 @@
 """What the host hands the device for one step, and what the device hands back.
 
 A `StepPlan` is an immutable snapshot built on the host while the previous step still runs. The device
-applies it in launch order: first the slot inserts and block-table writes (staged here, so inserting a
-request never waits for the device), then the rows. Decode rows carry no tokens: the device reads the
+applies it in launch order: first the slot inserts, block-table writes and block copies (staged here, so
+inserting a request never waits for the device), then the rows. Decode rows carry no tokens: the device reads the
 last sampled token and the drafts of their slot from its own state, which is how tokens sampled at
 step N stay device-resident for step N+1.
 """
@@ -78,6 +78,8 @@ class StepPlan:
     # NOTE: the speculation policy's choice (spec_policy.py): drafts each row proposes this step for its
     # next window. The MTP proposer runs max(next_num_drafts) depths; 0 everywhere skips it.
     next_num_drafts: np.ndarray  # [B] int64
+    # NOTE: (source, destination) KV blocks to copy, in order, before the forward pass (prefix hits)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -118,7 +120,7 @@ class StepPlan:
             emits=np.fromiter((r.emits for r in rows), bool, len(rows)),
             prefill_ids=np.concatenate(chunks) if chunks else np.zeros(0, np.int64),
             prefill_next_ids=_next_ids(rows, num_speculative_tokens),
-            next_num_drafts=next_num_drafts)
+            next_num_drafts=next_num_drafts, block_copies=plan.block_copies)
 
 
 def _next_ids(rows, k: int) -> np.ndarray:

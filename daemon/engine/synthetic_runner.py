@@ -22,7 +22,7 @@ import numpy as np
 
 from mtpserve.config import EngineConfig
 from mtpserve.engine.device_stream import DeviceStream
-from mtpserve.engine.slot_state import SlotState, Window
+from mtpserve.engine.slot_state import SlotState, Window, block_rows
 from mtpserve.engine.step_plan import StepPlan, StepResult
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -105,6 +105,9 @@ class SyntheticRunner:
 
     def _step(self, plan: StepPlan) -> StepResult:
         self.state.apply_writes(plan)
+        if plan.block_copies:
+            src, dst = block_rows(plan.block_copies, self.config.block_size)
+            self.kv[dst] = self.kv[src]
         win = self.state.window(plan)
         values = self._forward(plan.slots, win)  # [T] context values
         targets = (_mix32(values ^ np.uint64(0x5BD1E995)) % np.uint64(self.vocab_size)).astype(np.int64)

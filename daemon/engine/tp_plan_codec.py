@@ -50,6 +50,7 @@ class WirePlan(msgspec.Struct, array_like=True, frozen=True):
     inserts: tuple[WireInsert, ...]
     block_writes: tuple[tuple[int, int, tuple[int, ...]], ...]  # (slot, first_col, block_ids)
     arrays: dict[str, WireArray]  # the per-row StepPlan fields
+    block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination)
 
 
 _ARRAY_FIELDS = ("slots", "is_prefill", "num_tokens", "start_pos", "emits", "prefill_ids",
@@ -62,13 +63,15 @@ def encode_plan(plan: StepPlan) -> bytes:
     return _ENCODER.encode(WirePlan(
         step_id=plan.step_id, inserts=tuple(_wire_insert(i) for i in plan.inserts),
         block_writes=tuple((w.slot, w.first_col, tuple(w.block_ids)) for w in plan.block_writes),
-        arrays={name: WireArray.of(getattr(plan, name)) for name in _ARRAY_FIELDS}))
+        arrays={name: WireArray.of(getattr(plan, name)) for name in _ARRAY_FIELDS},
+        block_copies=plan.block_copies))
 
 
 def decode_plan(data: bytes | memoryview) -> StepPlan:
     wire = _DECODER.decode(data)
     return StepPlan(step_id=wire.step_id, inserts=tuple(_slot_insert(i) for i in wire.inserts),
                     block_writes=tuple(BlockWrite(s, c, tuple(b)) for s, c, b in wire.block_writes),
+                    block_copies=tuple((src, dst) for src, dst in wire.block_copies),
                     **{name: a.array() for name, a in wire.arrays.items()})
 
 

@@ -41,6 +41,13 @@ class KVCache:
         paddle.scatter_(self.k[layer], slots, as_dtype(k, self.k[layer].dtype), overwrite=True)
         paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
 
+    def copy_blocks(self, src_rows: paddle.Tensor, dst_rows: paddle.Tensor) -> None:
+        """Copy the token rows `src_rows` [N] int64 onto `dst_rows` [N] in every layer; all reads happen
+        before any write (a destination may be another copy's source)."""
+        unique = {id(t): t for t in (*self.k, *self.v)}  # NOTE: MTP depth caches repeat one tensor
+        for t in unique.values():
+            paddle.scatter_(t, dst_rows, paddle.gather(t, src_rows), overwrite=True)
+
     def gather(self, layer: int, flat_slots: paddle.Tensor,
                key_shape: list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
         """flat_slots: [B*K] int64, key_shape: [B, K] -> K, V: [B, K, KVH, D].

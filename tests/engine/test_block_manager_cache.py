@@ -1,0 +1,155 @@
+"""The block manager's prefix-cache index and the matching rule (prefix_cache.find), as pure host
+accounting: a property test drives random add/finish/abort/preempt/evict sequences and checks the
+invariants after every step; unit tests pin each rule of a match."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtpserve.engine import prefix_cache
+from mtpserve.engine.block_manager import BlockManager, CachedKV
+from mtpserve.engine.prefix_cache import chain_hashes, find
+
+BS = 4
+ROOT = prefix_cache.salt("test")
+
+
+def hashes_of(tokens) -> list[bytes]:
+    return chain_hashes(np.asarray(tokens, np.int64), BS, ROOT, [])
+
+
+def cache_prompt(blocks: BlockManager, tokens, num_mtp: int = 0) -> list[int]:
+    """Hold blocks for `tokens`, register every full one as a finished prefill would; returns the table."""
+    table: list[int] = []
+    blocks.grow(table, len(tokens))
+    seq = np.asarray(tokens, np.int64)
+    for j, h in enumerate(hashes_of(tokens)):
+        end = (j + 1) * BS
+        blocks.register(table[j], h, CachedKV(tuple(seq[end:end + num_mtp].tolist()), num_mtp))
+    return table
+
+
+class Model:
+    """What the manager must agree with: who holds which block, and which blocks are cached."""
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self.tables: dict[int, list[int]] = {}
+
+    def check(self) -> None:
+        self.blocks.check()
+        held: dict[int, int] = {}
+        for table in self.tables.values():
+            assert len(set(table)) == len(table), "a table holds a block twice"
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        for b in range(self.blocks.num_blocks):
+            assert self.blocks.refs(b) == held.get(b, 0), f"block {b}: refs differ from the tables"
+        assert self.blocks.num_used_blocks == len(held)
+
+
+actions = st.lists(st.tuples(st.sampled_from(["add", "finish", "abort", "preempt", "evict", "reset"]),
+                             st.integers(0, 7), st.integers(1, 22)), min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(actions)
+def test_random_sequences_keep_refs_free_list_and_index_consistent(steps):
+    blocks = BlockManager(num_blocks=24, block_size=BS)
+    model = Model(blocks)
+    prefixes = [tuple(range(100 * p, 100 * p + 22)) for p in range(3)]
+    next_id = 0
+    for action, pick, length in steps:
+        if action == "add":
+            tokens = prefixes[pick % 3][:length] + (pick,)
+            hit = find(blocks, hashes_of(tokens), np.asarray(tokens), num_mtp=pick % 3)
+            table = list(hit.shared)
+            missing = -(-len(tokens) // BS) - len(table)
+            idle = sum(blocks.refs(b) == 0 for b in hit.shared)
+            if missing + idle > blocks.num_free_blocks:
+                continue  # admission waits
+            blocks.share(table)
+            blocks.grow(table, len(tokens))
+            model.tables[next_id] = table
+            for j, h in enumerate(hashes_of(tokens)[:len(table)]):
+                blocks.register(table[j], h, CachedKV(None, 0) if pick % 2 else CachedKV((pick,), 1))
+            next_id += 1
+        elif action in ("finish", "abort", "preempt") and model.tables:
+            victim = sorted(model.tables)[pick % len(model.tables)]
+            blocks.free(model.tables.pop(victim))
+        elif action == "evict":
+            for _ in range(min(pick, blocks.num_free_blocks)):
+                model.tables.setdefault(-1, []).append(blocks.take())
+        elif action == "reset":
+            blocks.reset_prefix_cache()
+        model.check()
+
+
+def test_a_match_stops_before_the_last_token_and_recomputes_k_positions():
+    blocks = BlockManager(16, BS)
+    cache_prompt(blocks, list(range(1, 14)), num_mtp=2)  # 3 full blocks cached
+    tokens = np.arange(1, 14)  # the same prompt: its last token (position 12) must be computed
+    hit = find(blocks, hashes_of(tokens), tokens, num_mtp=2)
+    assert hit.num_computed == 3 * BS - 2
+    assert len(hit.shared) == 2 and hit.copy_from is not None  # block 2 holds positions 10, 11
+    plain = BlockManager(16, BS)
+    cache_prompt(plain, list(range(1, 14)), num_mtp=0)
+    k0 = find(plain, hashes_of(tokens), tokens, num_mtp=0)
+    assert k0.num_computed == 3 * BS and k0.copy_from is None
+
+
+def test_a_block_whose_mtp_kv_read_other_tokens_ends_the_match():
+    blocks = BlockManager(16, BS)
+    table = cache_prompt(blocks, list(range(1, 14)), num_mtp=1)
+    other = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 99, 98])
+    # NOTE: block 1's lookahead (token 9) is the request's, block 0's too: the match runs through
+    # block 2, whose lookahead (13) differs; it ends the match as its last block
+    assert find(blocks, hashes_of(other), other, num_mtp=1).num_computed == 3 * BS - 1
+    blocks.free(table)
+    blocks.reset_prefix_cache()
+    t = cache_prompt(blocks, [1, 2, 3, 4, 50, 51, 52, 53, 54], num_mtp=1)  # block 0 read token 50
+    # a block 1 with this request's tokens, cached by someone whose block 0 is not indexed
+    mine: list[int] = []
+    blocks.grow(mine, 8)
+    blocks.register(mine[1], hashes_of([1, 2, 3, 4, 5, 6, 7, 8])[1], CachedKV((9,), 1))
+    req = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    hit = find(blocks, hashes_of(req), req, num_mtp=1)
+    assert hit.num_computed == 1 * BS - 1, "block 0 read token 50 at position 4: it must end the match"
+    assert hit.copy_from == t[0]
+
+
+def test_a_copy_continued_differently_is_found_beside_the_original():
+    blocks = BlockManager(16, BS)
+    a = cache_prompt(blocks, [1, 2, 3, 4, 5, 6, 7, 8, 9], num_mtp=1)
+    b = cache_prompt(blocks, [1, 2, 3, 4, 7, 7, 7, 7, 9], num_mtp=1)  # its own block 0, lookahead 7
+    assert blocks.num_cached_blocks == 4 and set(a).isdisjoint(b)
+    req = np.asarray([1, 2, 3, 4, 7, 7, 7, 7, 1, 1])
+    hit = find(blocks, hashes_of(req), req, num_mtp=1)
+    assert hit.shared == (b[0],) and hit.copy_from == b[1] and hit.num_computed == 2 * BS - 1
+
+
+def test_a_drafted_lookahead_gives_way_to_a_known_one_and_not_back():
+    blocks = BlockManager(8, BS)
+    h = hashes_of([1, 2, 3, 4])[0]
+    first, second, third = blocks.take(), blocks.take(), blocks.take()
+    assert blocks.register(first, h, CachedKV(None, 2))
+    assert blocks.register(second, h, CachedKV((5, 6), 2))
+    assert not blocks.register(third, h, CachedKV(None, 2))
+    assert blocks.lookup(h, (9, 9)) == (second, CachedKV((5, 6), 2)) and blocks.num_cached_blocks == 1
+    blocks.free([first, second, third])
+    assert blocks.num_evictable_blocks == 1 and blocks.num_free_blocks == 8
+    blocks.check()
+
+
+def test_eviction_takes_free_blocks_first_then_the_least_recently_released():
+    blocks = BlockManager(4, BS)
+    old = cache_prompt(blocks, [1, 2, 3, 4, 5])  # blocks 0, 1: block 0 cached
+    new = cache_prompt(blocks, [9, 9, 9, 9, 5])  # blocks 2, 3: block 2 cached
+    blocks.free(old)
+    blocks.free(new)
+    assert blocks.num_evictable_blocks == 2
+    taken = [blocks.take(), blocks.take(), blocks.take()]
+    assert taken[:2] == [1, 3], "uncached free blocks go first"
+    assert taken[2] == 0, "then the cached block released first"
+    assert blocks.lookup(hashes_of([1, 2, 3, 4])[0], ()) is None
+    assert blocks.lookup(hashes_of([9, 9, 9, 9])[0], ()) is not None
