@@ -3,10 +3,11 @@
 One iteration:
   1. wait for work (a request channel message) when the engine is idle;
   2. intake: AddRequest / AbortRequest / ReleaseKV messages into the core (they take effect at the
-     next launch);
+     next launch); ResetPrefixCache is done at once and answered (PrefixCacheReset, same token);
   3. `core.launch_next()` launches the next step and hands back the future of the step to finish now,
-     if any; the loop awaits it (serving the request channel meanwhile) and `core.finish_step()`
-     applies it: the one host synchronisation per step;
+     if any; the prefix hits of the requests it admitted go out at once (PrefixHits), so before any of
+     their output frames; the loop awaits the future (serving the request channel meanwhile) and
+     `core.finish_step()` applies it: the one host synchronisation per step;
   4. emit: the output op packs the step's tokens (and logprobs) and sends them without blocking; while
      frames are pending the loop pauses scheduling and retries (back-pressure, never a drop);
   5. every `stats_interval_s`, an EngineStats heartbeat (the HTTP side's /health and gauges).
@@ -25,6 +26,7 @@ import numpy as np
 
 from mtpserve import log
 from mtpserve.engine.engine_core import EngineCore
+from mtpserve.engine.kv_connector import RequestId
 from mtpserve.engine.request import EngineRequest, RemoteKV
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepResult
@@ -71,7 +73,7 @@ class RankLoop:
         while not stop.is_set():
             await self._wait_for_work(stop)
             self._intake(self.channel.poll())
-            result = await self._result_of(self.core.launch_next())
+            result = await self._result_of(self._launch())
             await self._emit(self.core.finish_step(result))
             self._heartbeat()
 
@@ -104,6 +106,8 @@ class RankLoop:
                     self.core.abort_request(request_id)
             elif isinstance(msg, rc.ReleaseKV):
                 self.core.connector.release(msg.request_ids)
+            elif isinstance(msg, rc.ResetPrefixCache):
+                self.channel.send(rc.PrefixCacheReset(msg.token, self.core.reset_prefix_cache()))
             else:
                 self._add(msg)
 
@@ -112,6 +116,14 @@ class RankLoop:
             self.core.add_request(engine_request(msg))
         except ValueError as exc:
             self.channel.send(rc.RequestFailed(msg.request_id, str(exc)))
+
+    def _launch(self) -> concurrent.futures.Future[StepResult] | None:
+        """Launch the next step; report its admissions' prefix hits before any of their frames exists."""
+        future = self.core.launch_next()
+        hits = self.core.take_prefix_hits()
+        if hits:
+            self.channel.send(prefix_hits(hits))
+        return future
 
     async def _result_of(self, future: concurrent.futures.Future[StepResult] | None) -> StepResult | None:
         if future is None:
@@ -177,7 +189,12 @@ def engine_stats(core: EngineCore, step_id: int) -> rc.EngineStats:
         spec_predicted_seconds=core.speculation.cost.predicted_seconds,
         spec_measured_seconds=core.speculation.cost.measured_seconds, timestamp=time.time(),
         num_preemptions=scheduler.num_preemptions, num_discarded_rows=core.num_discarded_rows,
-        **core.connector.stats())
+        **core.connector.stats(), **core.prefix_cache_stats())
+
+
+def prefix_hits(hits: list[tuple[RequestId, int]]) -> rc.PrefixHits:
+    # NOTE: the rank loop's requests carry the wire's integer ids (engine_request).
+    return rc.PrefixHits(request_ids=[int(rid) for rid, _ in hits], cached_tokens=[n for _, n in hits])
 
 
 def _logprobs(out: StepEmission) -> StepLogprobs | None:

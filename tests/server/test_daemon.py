@@ -162,3 +162,29 @@ async def test_64_streams_close_32(daemon):
                 break
             assert time.monotonic() - t0 < 1.0
             await asyncio.sleep(0.02)
+
+
+async def test_a_repeated_prompt_hits_the_prefix_cache_until_reset(client, daemon):
+    """docs/prefix-caching.md: the second run of a prompt reuses its KV (usage's cached_tokens and the
+    hit counter say how much) and generates the same greedy text; /reset_prefix_cache forgets it."""
+    import aiohttp
+    model = await _model(client)
+    prompt = "class Ledger:\n" + "".join(f"    def entry_{i}(self, x):\n        return x * {i}\n" for i in range(10))
+    kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    first = await client.completions.create(**kwargs)
+    again = await client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    assert again.choices[0].text == first.choices[0].text
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        while _gauge(text := await (await session.get(daemon + "/metrics")).text(), "vllm:prefix_cache_hits_total") < cached:
+            assert time.monotonic() - t0 < 5.0, "the hits never reached /metrics"
+            await asyncio.sleep(0.1)
+        assert _gauge(text, "vllm:prefix_cache_queries_total") >= 2 * again.usage.prompt_tokens
+        async with session.post(daemon + "/reset_prefix_cache", json={}) as r:
+            assert r.status == 200 and (await r.json())["num_blocks"] > 0
+    third = await client.completions.create(**kwargs)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].text == first.choices[0].text
