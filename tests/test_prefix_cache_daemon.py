@@ -7,10 +7,12 @@ lets each prompt find what the earlier ones left."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +113,7 @@ def check_equal(misses: list[dict], hits: list[dict]) -> None:
 
 
 def hits_in_metrics(url: str) -> tuple[float, float]:
-    with __import__("urllib.request").request.urlopen(url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         text = response.read().decode()
 
     def total(name: str) -> float:
@@ -129,6 +131,11 @@ def serve_and_compare(tmp_path: Path, tp: int, k: int) -> None:
     daemon = Daemon.start(tmp_path / f"tp{tp}k{k}", *args)
     try:
         daemon.wait_healthy()
+        # NOTE: the warm-up's requests leave neither counts nor blocks behind
+        assert wait_until(lambda: hits_in_metrics(daemon.url) == (0.0, 0.0), 5)
+        bare = urllib.request.Request(daemon.url + "/reset_prefix_cache", method="POST")  # no body, as curl -X POST
+        with urllib.request.urlopen(bare, timeout=10) as response:
+            assert json.loads(response.read()) == {"num_blocks": 0}
         prompts = family_prompts(daemon.url)
         misses, hits = misses_then_hits(daemon.url, daemon.url, prompts)
         check_equal(misses, hits)

@@ -95,6 +95,10 @@ def warm_up(core: EngineCore) -> None:
     core.add_request(EngineRequest(-1, WARMUP_PROMPT, params))
     _drain(core)
     profile_steps(core)
+    # NOTE: the warm-up's prompts are not clients': neither their blocks nor their counts stay
+    core.reset_prefix_cache()
+    core.scheduler.prefix_cache_queries = core.scheduler.prefix_cache_hits = 0
+    core.take_prefix_hits()
 
 
 def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16), num_windows: int = 8) -> None:

@@ -58,7 +58,8 @@ def api_key_middleware(api_key: str):
 
 @web.middleware
 async def content_type_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if request.method == "POST" and request.content_type not in JSON_TYPES:
+    # NOTE: a POST without a body (`curl -X POST .../reset_prefix_cache`) has no type to check
+    if request.method == "POST" and request.body_exists and request.content_type not in JSON_TYPES:
         raise ApiError(415, f"Content type must be application/json, got `{request.content_type}`.",
                        code="unsupported_media_type")
     return await handler(request)
