@@ -149,7 +149,7 @@ def test_a_hit_answers_like_a_miss_at_k2(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,k", [(1, 0), (1, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize("tp,k", [(1, 0), (1, 1), (1, 3), (2, 2), (2, 3)])
 def test_a_hit_answers_like_a_miss(tmp_path, tp, k):
     serve_and_compare(tmp_path, tp, k)
 
