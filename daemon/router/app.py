@@ -1,5 +1,5 @@
 """The router's aiohttp application: the instance's middlewares, the routes, and a cleanup context
-that owns the upstream session and the health poller."""
+that owns the upstream session, the health poller and the instances' metrics scraper."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mtpserve.router import routes
 from mtpserve.router.config import RouterConfig
 from mtpserve.router.context import ROUTER, RouterContext
 from mtpserve.router.health import poll_forever
+from mtpserve.router.instance_metrics import scrape_forever
 from mtpserve.router.upstream import Upstream
 from mtpserve.web.middlewares import api_key_middleware, content_type_middleware, error_middleware
 
@@ -34,9 +35,11 @@ def make_app(config: RouterConfig) -> web.Application:
 async def _upstream(app: web.Application) -> AsyncIterator[None]:
     ctx = app[ROUTER]
     ctx.upstream = Upstream(ctx.config, ctx.metrics)
-    poller = asyncio.create_task(poll_forever(ctx), name="backend-health")
+    pollers = [asyncio.create_task(poll_forever(ctx), name="backend-health"),
+               asyncio.create_task(scrape_forever(ctx), name="backend-metrics")]
     yield
-    poller.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await poller
+    for poller in pollers:
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
     await ctx.upstream.close()

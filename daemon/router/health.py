@@ -19,9 +19,8 @@ log = structlog.get_logger("mtpserve.router")
 
 
 async def poll_forever(ctx: RouterContext) -> None:
-    backends = [*ctx.prefill.backends, *ctx.decode.backends]
     while True:
-        await asyncio.gather(*(check(ctx, b) for b in backends))
+        await asyncio.gather(*(check(ctx, b) for b in ctx.backends))  # NOTE: the members of now
         await asyncio.sleep(ctx.config.health_interval)
 
 

@@ -1,5 +1,6 @@
-"""`mtpserve router --prefill URL... --decode URL...`: serve until SIGTERM/SIGINT, then stop listening
-and give in-flight requests `--drain-timeout` seconds before they are cut (drain.py)."""
+"""`mtpserve router --instance URL...` or `--prefill URL... --decode URL...`: serve until SIGTERM/SIGINT,
+then stop listening and give in-flight requests `--drain-timeout` seconds before they are cut
+(drain.py); SIGHUP re-reads `--instances-file` (membership.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mtpserve.notify import Notifier
 from mtpserve.router.app import make_app
 from mtpserve.router.config import RouterConfig, parse_args
 from mtpserve.router.context import ROUTER
+from mtpserve.router.membership import reload_file
 
 log = structlog.get_logger("mtpserve.router")
 CLEANUP_TIMEOUT_S = 5.0
@@ -38,7 +40,8 @@ async def serve(config: RouterConfig) -> None:
                            shutdown_timeout=CLEANUP_TIMEOUT_S)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
-    log.info("router listening", host=config.host, port=config.port, prefill=list(config.prefill_urls),
+    log.info("router listening", host=config.host, port=config.port, policy=config.policy,
+             instances=list(config.instance_urls), prefill=list(config.prefill_urls),
              decode=list(config.decode_urls))
     notifier = Notifier()
     notifier.ready("routing")  # NOTE: listening is ready; /health says whether backends are up
@@ -47,6 +50,7 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_file, runner.app[ROUTER])
     await stop.wait()
     log.info("router stopping", drain_timeout=config.drain_timeout)
     notifier.stopping()

@@ -5,8 +5,12 @@ Names: `mtpserve:router_requests_total{route,outcome}`, `mtpserve:router_backend
 written to the client), `mtpserve:router_kv_handoff_seconds` (streams: prefill's last event to the
 decode's first, i.e. the decode's KV read plus its first step), `mtpserve:router_releases_total{outcome}`,
 `mtpserve:router_failovers_total{role}` (a request moved to another instance of the role: failover.py),
+`mtpserve:router_backend_requests_total{role,url}` (requests each instance was chosen for),
+`mtpserve:router_policy_decisions_total{role,reason}` (policy.py: cache, miss, balance, load, turn),
+`mtpserve:router_policy_match_ratio{role}` (the share of the prompt the chosen instance had seen),
 and gauges read at scrape time: `mtpserve:router_backend_in_flight{role,url}`,
-`mtpserve:router_backend_healthy{role,url}`.
+`mtpserve:router_backend_healthy{role,url}`, `mtpserve:router_backend_prefix_cache_hit_rate{role,url}`
+(the instance's own `vllm:prefix_cache_hits_total / queries_total`, scraped every `--metrics-interval`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ class RouterMetrics:
                                 ["outcome"], registry=self.registry)
         self.failovers = Counter("mtpserve:router_failovers", "Requests moved to another instance of a role.",
                                  ["role"], registry=self.registry)
+        self.backend_requests = Counter("mtpserve:router_backend_requests", "Requests each instance was chosen for.",
+                                        ["role", "url"], registry=self.registry)
+        self.decisions = Counter("mtpserve:router_policy_decisions", "Why the policy chose an instance.",
+                                 ["role", "reason"], registry=self.registry)
+        self.match_ratio = Histogram("mtpserve:router_policy_match_ratio", "Share of a prompt the chosen "
+                                     "instance had seen (cache_aware).", ["role"],
+                                     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=self.registry)
+        self._hit_rate = Gauge("mtpserve:router_backend_prefix_cache_hit_rate", "The instance's prefix-cache "
+                               "hits / queries (tokens, since its start), scraped.", ["role", "url"],
+                               registry=self.registry)
         self._in_flight = Gauge("mtpserve:router_backend_in_flight", "Requests in flight per backend.",
                                 ["role", "url"], registry=self.registry)
         self._healthy = Gauge("mtpserve:router_backend_healthy", "1 when the backend's /health answered 200.",
@@ -52,6 +66,18 @@ class RouterMetrics:
         """Gauges that read the backend's state when scraped (no bookkeeping on the request path)."""
         self._in_flight.labels(backend.role, backend.url).set_function(lambda: backend.in_flight)
         self._healthy.labels(backend.role, backend.url).set_function(lambda: float(backend.healthy))
+        self._hit_rate.labels(backend.role, backend.url).set_function(lambda: backend.cache_hit_rate)
+
+    def unwatch(self, backend: Backend) -> None:
+        """A backend left the pool: its gauges go (its counters stay, as counters do)."""
+        for gauge in (self._in_flight, self._healthy, self._hit_rate):
+            gauge.remove(backend.role, backend.url)
+
+    def chosen(self, backend: Backend, reason: str, matched: int, num_keys: int) -> None:
+        self.backend_requests.labels(backend.role, backend.url).inc()
+        self.decisions.labels(backend.role, reason).inc()
+        if num_keys:
+            self.match_ratio.labels(backend.role).observe(matched / num_keys)
 
     def outcome(self, route: str, outcome: str) -> None:
         self.requests.labels(route, outcome).inc()

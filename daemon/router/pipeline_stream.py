@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import structlog
@@ -52,7 +53,8 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
                     metrics: RouterMetrics) -> Result:
     client = ClientStream(request, metrics)
     relay = PrefillRelay()
-    try:
+
+    async def prefill_then_decode() -> Result:
         await _prefill(stages, prefill, client, relay)
         if relay.kv is None:
             return Result(await client.finish(send_done=True), BACKEND_ERROR if relay.had_error else PREFILL_ONLY)
@@ -60,6 +62,18 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
         release = stages.release_once(relay.prefill, relay.kv)
         await _decode(stages, decode, relay.kv, client, release, metrics)
         return Result(await client.finish(send_done=False), COMPLETED)
+
+    try:
+        return await guarded(client, request, prefill_then_decode)
+    finally:
+        _release_held(stages, relay)
+
+
+async def guarded(client: ClientStream, request: web.Request, relay: Callable[[], Awaitable[Result]]) -> Result:
+    """`relay()`'s result; a failure before the client's stream started is an HTTP error, after it an
+    error event and `[DONE]`."""
+    try:
+        return await relay()
     except BackendRejected as rejected:
         if not client.started:
             return Result(passthrough(rejected), CLIENT_ERROR)
@@ -81,8 +95,6 @@ async def stream_pd(stages: Stages, request: web.Request, prefill: Backend, deco
             raise
         log.exception("router stream failed", path=request.path)
         return Result(await client.fail(ApiError(500, "Internal router error.").body()), BACKEND_ERROR)
-    finally:
-        _release_held(stages, relay)
 
 
 def _release_held(stages: Stages, relay: PrefillRelay) -> None:
@@ -122,10 +134,15 @@ async def _decode(stages: Stages, decode: Reservation, kv: dict, client: ClientS
         batch = await reader.next_batch()
         release()
         metrics.handoff.observe(time.monotonic() - handed_off)
-        while batch is not None:
-            if DONE in batch:
-                await client.write(b"".join(batch[:batch.index(DONE) + 1]))
-                return
-            await client.write(b"".join(batch))
-            batch = await reader.next_batch()
-        raise BackendFailure(decode.backend, "truncated", "ended its stream without [DONE]")
+        await relay_to_done(reader, batch, client, decode.backend)
+
+
+async def relay_to_done(reader: SseReader, batch: list[bytes] | None, client: ClientStream, backend: Backend) -> None:
+    """Relay `batch` and the rest of `reader`'s events to the client, through the backend's `[DONE]`."""
+    while batch is not None:
+        if DONE in batch:
+            await client.write(b"".join(batch[:batch.index(DONE) + 1]))
+            return
+        await client.write(b"".join(batch))
+        batch = await reader.next_batch()
+    raise BackendFailure(backend, "truncated", "ended its stream without [DONE]")

@@ -1,4 +1,4 @@
-"""The client's JSON body as the router forwards it: checked for what PD cannot do, given a seed.
+"""The client's JSON body as the router forwards it: under PD, checked for what PD cannot do, given a seed.
 
 The instances validate everything else; the router only refuses what it cannot route (several
 choices: one request holds one prefill's KV) and adds a seed so that the prefill's and the decode's
@@ -16,7 +16,9 @@ from mtpserve.web.errors import bad_request, from_decode_error
 SEED_LIMIT = 2**63  # seeds are drawn from [0, SEED_LIMIT): a signed 64-bit int
 
 
-def prepare_body(raw: bytes, completions: bool) -> dict:
+def prepare_body(raw: bytes, completions: bool, pd: bool = True) -> dict:
+    """The body to forward; `pd`: through a prefill and a decode instance (a mixed instance takes any
+    body it would take directly)."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -26,6 +28,8 @@ def prepare_body(raw: bytes, completions: bool) -> dict:
     if "kv_transfer_params" in body:  # NOTE: a client must not point a decode at memory of its choosing
         raise bad_request("`kv_transfer_params` is set by the PD router, not by clients.", "kv_transfer_params",
                           "unsupported")
+    if not pd:
+        return body
     _check_single_choice(body, completions)
     if body.get("seed") is None:
         body["seed"] = random.randrange(SEED_LIMIT)

@@ -1,7 +1,9 @@
-"""The router's API: the two generation routes through PD, /v1/models, /health, /metrics.
+"""The router's API: the two generation routes (to a mixed instance, or through PD), /v1/models,
+/health, /metrics, and the membership admin routes (membership.py).
 
-Each generation request reserves its decode instance for its whole life (it counts in that
-instance's in-flight number from the start), the prefill instance for the prefill call only.
+A mixed request reserves its instance for its whole life. Under PD each generation request reserves
+its decode instance for its whole life (it counts in that instance's in-flight number from the start),
+the prefill instance for the prefill call only.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mtpserve.router import membership
 from mtpserve.router.backends import Backend, BackendPool, in_flight
 from mtpserve.router.context import ROUTER, RouterContext
 from mtpserve.router.drain import SHUTDOWN_MESSAGE, absorb_cut, is_shutdown
 from mtpserve.router.failures import BackendFailure, backend_errors, failure_from_status
 from mtpserve.router.metrics import BACKEND_ERROR, CLIENT_ERROR, DISCONNECTED
 from mtpserve.router.pipeline_json import json_pd
+from mtpserve.router.pipeline_mixed import json_mixed, stream_mixed
 from mtpserve.router.pipeline_stream import Result, stream_pd
 from mtpserve.router.request_body import is_stream, prepare_body
+from mtpserve.router.prefix_index import prefix_keys, prompt_text
 from mtpserve.router.stages import Stages
 from mtpserve.web.errors import ApiError
 
@@ -48,16 +53,34 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, ctx: RouterContext) -> Result:
-    body = prepare_body(await request.read(), completions=request.path == "/v1/completions")
-    prefill, decode = _pick(ctx.prefill), _pick(ctx.decode)
-    stages = Stages(ctx.client, (ctx.prefill, ctx.decode), ctx.metrics, request, body)
+    chat = request.path == "/v1/chat/completions"
+    body = prepare_body(await request.read(), completions=not chat, pd=ctx.is_pd)
+    keys = prefix_keys(prompt_text(body, chat)) if ctx.config.policy == "cache_aware" else []
+    stages = Stages(ctx.client, ctx.pools, ctx.metrics, request, body)
+    if not ctx.is_pd:
+        with in_flight(_choose(ctx, ctx.instance, keys)) as held:
+            if is_stream(body):
+                return await stream_mixed(stages, request, held, ctx.metrics)
+            return await json_mixed(stages, held)
+    prefill, decode = _choose(ctx, ctx.prefill, keys), _pick(ctx.decode)
     with in_flight(decode) as decode_held:
         if is_stream(body):
             return await stream_pd(stages, request, prefill, decode_held, ctx.metrics)
         return await json_pd(stages, prefill, decode_held)
 
 
+def _choose(ctx: RouterContext, pool: BackendPool, keys: list[bytes]) -> Backend:
+    """The pool's policy picks (policy.py); counted in the router's metrics."""
+    chosen = pool.choose(keys)
+    if chosen is None:
+        raise ApiError(503, f"No healthy {pool.role} instance.", code="no_healthy_backend")
+    backend, choice = chosen
+    ctx.metrics.chosen(backend, choice.reason, choice.matched, len(keys))
+    return backend
+
+
 def _pick(pool: BackendPool) -> Backend:
+    """The least loaded healthy instance of the pool (decode instances, /v1/models)."""
     backend = pool.pick()
     if backend is None:
         raise ApiError(503, f"No healthy {pool.role} instance.", code="no_healthy_backend")
@@ -65,9 +88,9 @@ def _pick(pool: BackendPool) -> Backend:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """A healthy decode instance's answer, as it gave it."""
+    """A healthy instance's answer (a decode one under PD), as it gave it."""
     ctx = request.app[ROUTER]
-    decode = _pick(ctx.decode)
+    decode = _pick(ctx.decode if ctx.is_pd else ctx.instance)
     auth = request.headers.get("Authorization")
     try:
         with backend_errors(decode):
@@ -82,15 +105,17 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one prefill and one decode instance are healthy; else 503 saying why."""
+    """200 while a request can be served (a healthy mixed instance, or a healthy prefill and decode
+    instance); else 503 saying why."""
     ctx = request.app[ROUTER]
-    backends = {"prefill": ctx.prefill.describe(), "decode": ctx.decode.describe()}
+    backends = ({"instances": ctx.instance.describe()} if not ctx.is_pd else
+                {"prefill": ctx.prefill.describe(), "decode": ctx.decode.describe()})
     if ctx.drain.draining:
         err = ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down")
         return web.json_response({**err.body(), **backends}, status=503)
     if ctx.all_healthy_roles():
         return web.json_response({"status": "ok", **backends})
-    missing = [p.role for p in (ctx.prefill, ctx.decode) if p.num_healthy == 0]
+    missing = [p.role for p in ((ctx.prefill, ctx.decode) if ctx.is_pd else (ctx.instance,)) if p.num_healthy == 0]
     err = ApiError(503, f"No healthy {' or '.join(missing)} instance.", code="no_healthy_backend")
     return web.json_response({**err.body(), **backends}, status=503)
 
@@ -106,3 +131,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/instances", membership.list_instances)
+    app.router.add_post("/admin/instances", membership.replace_instances)

@@ -15,7 +15,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from mtpserve.router.backends import Backend, BackendPool, Reservation
+from mtpserve.router.backends import MIXED, Backend, BackendPool, Reservation
 from mtpserve.router.failover import first_answer
 from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.metrics import RouterMetrics
@@ -26,7 +26,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Stages:
-    def __init__(self, upstream: Upstream, pools: tuple[BackendPool, BackendPool], metrics: RouterMetrics,
+    def __init__(self, upstream: Upstream, pools: tuple[BackendPool, ...], metrics: RouterMetrics,
                  request: web.Request, body: dict) -> None:
         self.upstream = upstream
         self._pools = {pool.role: pool for pool in pools}
@@ -52,7 +52,9 @@ class Stages:
                    kv: dict | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """The prefill call without `kv`, the decode call with it; one backend, no failover."""
         body = self.body if kv is None else {**self.body, "kv_transfer_params": kv}
-        headers = {"Content-Type": "application/json", STAGE_HEADER: backend.role}
+        headers = {"Content-Type": "application/json"}
+        if backend.role != MIXED:
+            headers[STAGE_HEADER] = backend.role
         if self.authorization:
             headers["Authorization"] = self.authorization
         if self.request_id:

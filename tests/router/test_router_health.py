@@ -21,7 +21,8 @@ async def _status(router) -> int:
 async def test_health_follows_backends(router, prefill, decode):
     body = await (await router.get("/health")).json()
     assert body["status"] == "ok"
-    assert body["decode"] == [{"url": decode.url, "healthy": True, "in_flight": 0, "last_error": None}]
+    assert body["decode"] == [{"url": decode.url, "healthy": True, "in_flight": 0, "last_error": None,
+                              "prefixes": 0, "prefix_cache_hit_rate": None}]
     decode.health_status = 503
     await until(lambda: _down(router), what="router /health 503")
     body = await (await router.get("/health")).json()
