@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mtpserve.config import Config
 from mtpserve.instance import model_dir, runtime_dir
-from mtpserve.model.config import ModelConfig
+from mtpserve.model.config import model_config_from_dict
 from mtpserve.model.safetensors_reader import CheckpointError, SafetensorsFile, weight_files
 
 EX_CONFIG = 78  # sysexits.h: the unit says RestartPreventExitStatus=78, so systemd does not retry a bad setup
@@ -65,7 +65,7 @@ def _model_config(directory: Path) -> None:
         raise StartupError(f"cannot read {path}: {exc}; the model directory needs the model's "
                            "Hugging Face config.json") from exc
     try:
-        ModelConfig.from_dict(raw)
+        model_config_from_dict(raw)
     except (TypeError, ValueError) as exc:  # UnsupportedArchitectureError is a ValueError
         raise StartupError(f"{path}: {exc}") from exc
 

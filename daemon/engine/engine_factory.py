@@ -17,12 +17,12 @@ from mtpserve.engine.kv_connector import KVConnector
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner, kv_blocks_for_budget
 from mtpserve.engine.runner import ModelRunner
 from mtpserve.engine.scheduler import SchedulerConfig
-from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.serving_model import ServingModel
 
-RunnerFactory = Callable[[MiMoForCausalLM, ModelRunnerConfig], ModelRunner]
+RunnerFactory = Callable[[ServingModel, ModelRunnerConfig], ModelRunner]
 
 
-def build_model_engine(model: MiMoForCausalLM, engine: EngineConfig = EngineConfig(),
+def build_model_engine(model: ServingModel, engine: EngineConfig = EngineConfig(),
                        speculative: SpeculativeConfig = SpeculativeConfig(), *,
                        eos_token_ids: tuple[int, ...] = (), connector: KVConnector | None = None,
                        make_runner: RunnerFactory = PaddleModelRunner) -> EngineCore:
@@ -32,7 +32,7 @@ def build_model_engine(model: MiMoForCausalLM, engine: EngineConfig = EngineConf
                       connector)
 
 
-def core_config(model: MiMoForCausalLM, engine: EngineConfig, runner: ModelRunnerConfig,
+def core_config(model: ServingModel, engine: EngineConfig, runner: ModelRunnerConfig,
                 speculative: SpeculativeConfig, eos_token_ids: tuple[int, ...] = ()) -> CoreConfig:
     sched = SchedulerConfig(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
                             max_prefill_chunk=engine.max_prefill_chunk,
@@ -47,7 +47,7 @@ def core_config(model: MiMoForCausalLM, engine: EngineConfig, runner: ModelRunne
                       adaptive_speculation=speculative.adaptive)
 
 
-def runner_config(model: MiMoForCausalLM, engine: EngineConfig, speculative: SpeculativeConfig) -> ModelRunnerConfig:
+def runner_config(model: ServingModel, engine: EngineConfig, speculative: SpeculativeConfig) -> ModelRunnerConfig:
     """The device side's shape; every tensor-parallel rank derives the same block count from it."""
     k = speculative.num_speculative_tokens
     if k and model.num_mtp_layers == 0:

@@ -27,7 +27,7 @@ from mtpserve.host_tensor import host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.serving_model import ServingModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +47,18 @@ class Verified:
 
 
 class PaddleModelRunner:
-    def __init__(self, model: MiMoForCausalLM, config: ModelRunnerConfig) -> None:
+    def __init__(self, model: ServingModel, config: ModelRunnerConfig) -> None:
         mc = model.config
         k = config.num_speculative_tokens
         if k and model.num_mtp_layers == 0:
             raise ValueError("num_speculative_tokens > 0 needs a model with MTP layers")
         self.model, self.config = model, config
         self.vocab_size, self.num_speculative_tokens = mc.vocab_size, k
-        kv_heads = mc.num_key_value_heads // model.tp.size  # NOTE: each rank caches its own heads only
-        kv_args = (config.num_blocks, config.block_size, kv_heads, mc.head_dim, config.kv_dtype)
-        self.kv = KVCache.allocate(mc.num_hidden_layers, *kv_args)
+        kv_args = (config.num_blocks, config.block_size, config.kv_dtype)
+        self.kv = model.allocate_kv(mc.num_hidden_layers, *kv_args)
         self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
         self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
-        depth_caches = [_depth_cache(model.num_mtp_layers, kv_args) for _ in range(k)]
+        depth_caches = [_one_layer_for_all(model.allocate_kv(1, *kv_args), model.num_mtp_layers) for _ in range(k)]
         self.proposer = MTPProposer(model, depth_caches) if k else None
         self._stream = DeviceStream("model-device")
 
@@ -190,18 +189,20 @@ class PaddleModelRunner:
         return Verified(tokens, np.where(pre, 1, emitted), np.where(pre, 0, accepted))
 
 
-def kv_blocks_for_budget(model: MiMoForCausalLM, block_size: int, num_speculative_tokens: int,
+def kv_blocks_for_budget(model: ServingModel, block_size: int, num_speculative_tokens: int,
                          budget_mb: int, dtype_bytes: int = 4) -> int:
     """How many KV blocks fit in `budget_mb`: K and V of every main layer plus one layer per MTP depth."""
     mc = model.config
     layers = mc.num_hidden_layers + num_speculative_tokens
-    kv_heads = mc.num_key_value_heads // model.tp.size
-    per_block = 2 * layers * block_size * kv_heads * mc.head_dim * dtype_bytes
+    per_block = layers * block_size * model.kv_elements_per_token_layer() * dtype_bytes
     return max(1, (budget_mb << 20) // per_block - 1)  # NOTE: -1: KVCache adds a scratch block
 
 
 def _depth_cache(num_mtp_layers: int, kv_args: tuple) -> KVCache:
     """One layer of KV storage that every MTP layer index maps to: depth i runs layer i % L, and
     only that one writes this depth's cache, so the other L-1 layers need no memory of their own."""
-    one = KVCache.allocate(1, *kv_args)
+    return _one_layer_for_all(KVCache.allocate(1, *kv_args), num_mtp_layers)
+
+
+def _one_layer_for_all(one: KVCache, num_mtp_layers: int) -> KVCache:
     return dataclasses.replace(one, k=one.k * num_mtp_layers, v=one.v * num_mtp_layers)

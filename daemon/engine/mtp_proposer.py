@@ -31,11 +31,11 @@ from mtpserve.host_tensor import host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.serving_model import ServingModel
 
 
 class MTPProposer:
-    def __init__(self, model: MiMoForCausalLM, kv_per_depth: list[KVCache]) -> None:
+    def __init__(self, model: ServingModel, kv_per_depth: list[KVCache]) -> None:
         self.model, self.kv, self.k = model, kv_per_depth, len(kv_per_depth)
 
     def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
@@ -59,7 +59,7 @@ class MTPProposer:
                                      out_rows=at_frontier if last else None)
             head_in = out.hidden_states if last else paddle.gather(out.hidden_states, at_frontier)
             col = frontier + depth + 1
-            draft = self.model.draft_token_ids(head_in).numpy()  # [B]
+            draft = self.model.draft_token_ids(head_in, depth).numpy()  # [B]
             ahead[rows, col] = np.where(known[rows, col], ahead[rows, col], draft)
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)

@@ -19,8 +19,8 @@ from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import OutputChannel
 from mtpserve.ipc.sampling_params import SamplingParams
 from mtpserve.instance import instance_name
-from mtpserve.model.loader import load_model
-from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.loader import load_serving_model
+from mtpserve.model.serving_model import ServingModel
 from mtpserve.model.parallel import SINGLE, TensorParallel
 from mtpserve.ops import OutputSender
 
@@ -39,7 +39,7 @@ class EngineSetup:
     async def start(cls, config: Config, model_dir: Path, runtime_dir: Path, rank: int,
                     tp: TensorParallel = SINGLE) -> EngineSetup:
         logger = log.get_logger("mtpserve.engine")
-        model = load_model(model_dir, tp)
+        model = load_serving_model(model_dir, tp)
         channel = await rc.RequestChannelServer.start(runtime_dir)
         wake = asyncio.Event()
         core = build_core(model, config, tp, channel, wake)
@@ -71,7 +71,7 @@ class EngineSetup:
             log.get_logger("mtpserve.engine").warning("engine close", error=f"{type(exc).__name__}: {exc}")
 
 
-def build_core(model: MiMoForCausalLM, config: Config, tp: TensorParallel, channel: rc.RequestChannelServer,
+def build_core(model: ServingModel, config: Config, tp: TensorParallel, channel: rc.RequestChannelServer,
                wake: asyncio.Event) -> EngineCore:
     """Rank 0's core: a tensor-parallel leader, or one rank with the PD role's KV connector."""
     if tp.size > 1:  # NOTE: PD with TP is refused by the configuration

@@ -12,17 +12,17 @@ from mtpserve.engine.engine_factory import build_model_engine, runner_config
 from mtpserve.engine.step_plan import StepResult
 from mtpserve.engine.tp_plan_channel import PlanChannel
 from mtpserve.engine.tp_runner import FollowerRunner, LeaderRunner
-from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.serving_model import ServingModel
 
 ResultHook = Callable[[StepResult], None]  # tests: every step's results, on every rank
 
 
-def build_leader_engine(model: MiMoForCausalLM, channel: PlanChannel, engine: EngineConfig,
+def build_leader_engine(model: ServingModel, channel: PlanChannel, engine: EngineConfig,
                         speculative: SpeculativeConfig, on_result: ResultHook | None = None) -> EngineCore:
     return build_model_engine(model, engine, speculative,
                               make_runner=lambda m, cfg: LeaderRunner(m, cfg, channel, on_result))
 
 
-def build_follower_runner(model: MiMoForCausalLM, channel: PlanChannel, engine: EngineConfig,
+def build_follower_runner(model: ServingModel, channel: PlanChannel, engine: EngineConfig,
                           speculative: SpeculativeConfig, on_result: ResultHook | None = None) -> FollowerRunner:
     return FollowerRunner(model, runner_config(model, engine, speculative), channel, on_result)

@@ -15,17 +15,19 @@ import numpy as np
 import paddle
 from safetensors.numpy import save_file
 
+from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
 from mtpserve.model.mimo_model import MiMoForCausalLM
 from mtpserve.model.safetensors_reader import CheckpointError, SafetensorsFile, weight_files
 
 log = logging.getLogger(__name__)
 
+AnyModel = MiMoForCausalLM | DeepseekV3ForCausalLM
 WEIGHTS_FILE = "model.safetensors"
 # NOTE: Hugging Face checkpoints may carry buffers (RoPE frequencies) that this model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def save_checkpoint(model: MiMoForCausalLM, directory: Path, dtype: str = "float32") -> None:
+def save_checkpoint(model: AnyModel, directory: Path, dtype: str = "float32") -> None:
     """Write config.json and model.safetensors (full tensors; call with tp_size == 1)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -36,7 +38,7 @@ def save_checkpoint(model: MiMoForCausalLM, directory: Path, dtype: str = "float
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
 
 
-def load_weights(model: MiMoForCausalLM, directory: Path) -> None:
+def load_weights(model: AnyModel, directory: Path) -> None:
     """Copy a checkpoint's tensors into `model`, sliced for its tensor-parallel rank."""
     sources = _index_tensors(weight_files(directory))
     targets = model.state_dict()
@@ -82,7 +84,7 @@ def _check_shapes(targets: dict, sources: dict[str, SafetensorsFile], axes: dict
             raise CheckpointError(f"tensor {name} has shape {got} in the checkpoint, the model expects {want}")
 
 
-def _shard_axes(model: MiMoForCausalLM) -> dict[str, int | None]:
+def _shard_axes(model: AnyModel) -> dict[str, int | None]:
     axes: dict[str, int | None] = {}
     for prefix, layer in model.named_sublayers():
         for pname, axis in getattr(layer, "shard_axes", {}).items():

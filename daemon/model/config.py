@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtpserve.model import deepseek_config
+from mtpserve.model.deepseek_config import DeepseekV3Config
+
 # NOTE: MiMo checkpoints name themselves MiMoForCausalLM; a plain Qwen2 checkpoint is the same decoder
 # with no MTP layers, so both load through one model class.
-SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM", "Qwen2ForCausalLM")
+MIMO_ARCHITECTURES = ("MiMoForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*MIMO_ARCHITECTURES, deepseek_config.ARCHITECTURE)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -41,6 +45,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         architecture = _single_architecture(raw)
+        if architecture not in MIMO_ARCHITECTURES:
+            raise UnsupportedArchitectureError(f"{architecture} is not a MiMo/Qwen2 checkpoint")
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in raw.items() if k in names}
         known["architecture"] = architecture
@@ -76,3 +82,17 @@ def _single_architecture(raw: dict[str, Any]) -> str:
             f"unsupported architectures {names!r} in config.json; supported: {list(SUPPORTED_ARCHITECTURES)}"
         )
     return names[0]
+
+
+AnyModelConfig = ModelConfig | DeepseekV3Config
+
+
+def model_config_from_dict(raw: dict[str, Any]) -> AnyModelConfig:
+    """The config class of the checkpoint's architecture (one `architectures` entry)."""
+    if _single_architecture(raw) == deepseek_config.ARCHITECTURE:
+        return DeepseekV3Config.from_dict(raw)
+    return ModelConfig.from_dict(raw)
+
+
+def model_config_from_file(path: Path) -> AnyModelConfig:
+    return model_config_from_dict(json.loads(Path(path).read_text()))

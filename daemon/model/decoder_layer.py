@@ -14,6 +14,7 @@ from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.config import ModelConfig
+from mtpserve.model.deepseek_config import DeepseekV3Config
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, ServingWeight,
                                      TensorParallel)
@@ -84,9 +85,10 @@ class Attention(nn.Layer):
 class MLP(nn.Layer):
     """down(silu(gate(x)) * up(x)); gate/up are column-split, down is row-split."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig | DeepseekV3Config, tp: TensorParallel = SINGLE,
+                 intermediate_size: int | None = None):
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, False, tp)
         self.up_proj = ColumnParallelLinear(hidden, inner, False, tp)
         self.down_proj = RowParallelLinear(inner, hidden, False, tp)

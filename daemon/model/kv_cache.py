@@ -25,11 +25,13 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: str = "float32") -> KVCache:
+                 head_dim: int, dtype: str = "float32", shared_kv: bool = False) -> KVCache:
+        """shared_kv: one tensor per layer serves as both K and V (MLA's latent cache: the values are
+        the keys' first kv_lora_rank columns, model/mla.py)."""
         shape = [(num_blocks + 1) * block_size, num_kv_heads, head_dim]
         kind = getattr(paddle, dtype)  # "float32" -> paddle.float32
         k = [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
-        v = [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
+        v = list(k) if shared_kv else [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
         return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
 
     @property
@@ -39,7 +41,8 @@ class KVCache:
     def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store this step's K/V. slots: [T] int64, already mapped so -1 became the scratch slot."""
         paddle.scatter_(self.k[layer], slots, as_dtype(k, self.k[layer].dtype), overwrite=True)
-        paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
+        if self.v[layer] is not self.k[layer]:  # NOTE: a shared (MLA latent) cache is written once
+            paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
 
     def copy_blocks(self, src_rows: paddle.Tensor, dst_rows: paddle.Tensor) -> None:
         """Copy the token rows `src_rows` [N] int64 onto `dst_rows` [N] in every layer; all reads happen

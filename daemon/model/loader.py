@@ -14,9 +14,11 @@ from pathlib import Path
 import paddle
 
 from mtpserve.model.checkpoint import load_weights
-from mtpserve.model.config import ModelConfig
+from mtpserve.model.config import ModelConfig, UnsupportedArchitectureError, model_config_from_file
+from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
 from mtpserve.model.draft_vocab import read_draft_vocab
 from mtpserve.model.mimo_model import MiMoForCausalLM
+from mtpserve.model.serving_model import ServingModel
 from mtpserve.model.parallel import SINGLE, TensorParallel
 from mtpserve.tokenizer import Tokenizer
 
@@ -25,15 +27,26 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
 def load_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
                draft_vocab: bool = True) -> MiMoForCausalLM:
-    """draft_vocab=False ignores the directory's draft_vocab.json (drafts over the full vocabulary)."""
+    """A MiMo/Qwen2 directory (what the tools that train or measure the bundled model read)."""
+    model = load_serving_model(model_dir, tp, draft_vocab)
+    if not isinstance(model, MiMoForCausalLM):
+        raise UnsupportedArchitectureError(f"{model_dir}: a MiMo/Qwen2 checkpoint is needed here, "
+                                           f"not {model.config.architecture}")
+    return model
+
+
+def load_serving_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
+                       draft_vocab: bool = True) -> ServingModel:
+    """Any supported architecture (config.json's `architectures`). draft_vocab=False ignores the
+    directory's draft_vocab.json (drafts over the full vocabulary; MiMo/Qwen2 only)."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = model_config_from_file(model_dir / "config.json")
     if (model_dir / "tokenizer.json").exists():
         Tokenizer.from_model_dir(model_dir).check_vocab(config.vocab_size)
     with paddle.no_grad():
-        model = MiMoForCausalLM(config, tp)
+        model = MiMoForCausalLM(config, tp) if isinstance(config, ModelConfig) else DeepseekV3ForCausalLM(config, tp)
         load_weights(model, model_dir)
-        if draft_vocab:
+        if draft_vocab and isinstance(model, MiMoForCausalLM):
             model.set_draft_vocab(read_draft_vocab(model_dir, config.vocab_size))
     model.eval()
     return model

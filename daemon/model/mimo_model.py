@@ -94,6 +94,14 @@ class MiMoForCausalLM(nn.Layer):
     def num_mtp_layers(self) -> int:
         return len(self.model.mtp_layers)
 
+    def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int, dtype: str = "float32") -> KVCache:
+        """K and V per layer for this rank's KV heads."""
+        kv_heads = self.config.num_key_value_heads // self.tp.size  # NOTE: each rank caches its own heads only
+        return KVCache.allocate(num_layers, num_blocks, block_size, kv_heads, self.config.head_dim, dtype)
+
+    def kv_elements_per_token_layer(self) -> int:
+        return 2 * self.config.num_key_value_heads // self.tp.size * self.config.head_dim
+
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ModelOutput:
         """Run the main model on a packed batch, writing and reading the paged KV cache."""
         return self.run(batch.input_ids, batch.positions, PagedContext(batch, kv))
@@ -114,10 +122,10 @@ class MiMoForCausalLM(nn.Layer):
         logits = self.lm_head(hidden_states)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
-    def draft_token_ids(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+    def draft_token_ids(self, hidden_states: paddle.Tensor, index: int = 0) -> paddle.Tensor:
         """hidden_states: [N, H] MTP outputs -> [N] int64 greedy draft tokens (drafts are one-hot, so
         rejection sampling needs no draft probabilities). With a draft vocabulary, the argmax is over
-        its tokens only (still full-vocabulary ids)."""
+        its tokens only (still full-vocabulary ids). Every depth shares the one head: `index` is unused."""
         if self.draft_head is not None:
             return self.draft_head(hidden_states)
         return paddle.argmax(self.compute_logits(hidden_states), axis=-1)

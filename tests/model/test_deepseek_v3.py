@@ -1,0 +1,207 @@
+"""DeepSeek-V3 against transformers' own DeepseekV3ForCausalLM (float32, CPU) and against an independent
+NumPy forward of the report (tests/model/deepseek_reference.py), on a tiny random checkpoint written in
+the released layout (tests/model/deepseek_fixtures.py): logits, greedy generation, MTP draft logits,
+lossless speculation, and the loader's errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from deepseek_fixtures import TINY_V3, write_checkpoint
+from deepseek_reference import main_model, mtp_depths
+from model_fixtures import Window, pack
+from safetensors.numpy import save_file
+
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
+from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
+from mtpserve.engine.request import EngineRequest, SamplingParams
+from mtpserve.engine.scheduler import SchedulerConfig
+from mtpserve.model.attention_context import DenseCausalContext, PagedContext
+from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
+from mtpserve.model.loader import load_serving_model
+from mtpserve.model.safetensors_reader import CheckpointError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = TINY_V3["vocab_size"]
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    directory = tmp_path_factory.mktemp("deepseek_v3")
+    return directory, write_checkpoint(directory)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint) -> DeepseekV3ForCausalLM:
+    loaded = load_serving_model(checkpoint[0])
+    assert isinstance(loaded, DeepseekV3ForCausalLM)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]  # transformers read every main tensor
+    assert {k.split(".")[2] for k in info["unexpected_keys"]} == {"3"}  # and left only the MTP layer
+    return hf.eval()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = np.random.default_rng(seed)
+    return [gen.integers(0, VOCAB, int(gen.integers(4, 40))).tolist() for _ in range(n)]
+
+
+def hf_logits(hf, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def paged_logits(model: DeepseekV3ForCausalLM, texts: list[list[int]]) -> list[np.ndarray]:
+    """Each prompt as two chunks through the latent paged cache (the second reads the first's rows)."""
+    kv = model.allocate_kv(model.config.num_hidden_layers, 256, BLOCK)
+    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(texts))]
+    halves = [len(t) // 2 for t in texts]
+    out: list[list[np.ndarray]] = [[] for _ in texts]
+    for first in (True, False):
+        windows = [Window(t[:h] if first else t[h:], 0 if first else h, b) for t, h, b in zip(texts, halves, blocks)]
+        batch = pack(windows, BLOCK, 8)
+        hidden = model.run(batch.input_ids, batch.positions, PagedContext(batch, kv)).hidden_states
+        logits = model.compute_logits(hidden).numpy()
+        cu = np.cumsum([0] + [len(w.ids) for w in windows])
+        for i in range(len(texts)):
+            out[i].append(logits[cu[i]:cu[i + 1]])
+    return [np.concatenate(parts) for parts in out]
+
+
+def test_logits_match_transformers_on_20_prompts(model, hf_model):
+    texts = prompts(20)
+    worst = max(float(np.abs(ours - hf_logits(hf_model, t)).max()) for ours, t in zip(paged_logits(model, texts), texts))
+    assert worst < 1e-4, worst
+
+
+def test_logits_match_the_numpy_reference(model, checkpoint):
+    tokens = prompts(1, seed=5)[0]
+    ref, _ = main_model(checkpoint[1], TINY_V3, np.array(tokens))
+    ours = paged_logits(model, [tokens])[0]
+    assert np.abs(ours - ref).max() < 1e-4
+
+
+def make_core(model, k: int, max_num_seqs: int = 8) -> EngineCore:
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_prefill_chunk=16,
+                            num_speculative_tokens=k, num_blocks=512, block_size=BLOCK)
+    runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=max_num_seqs, num_blocks=512,
+                                                        block_size=BLOCK, num_speculative_tokens=k))
+    return EngineCore(CoreConfig(sched, overlap=True), runner)
+
+
+def generate(core: EngineCore, texts: list[list[int]], max_tokens: int) -> dict[int | str, list[int]]:
+    requests = [EngineRequest(f"r{i}", tuple(t), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                for i, t in enumerate(texts)]
+    outs: dict[int | str, list[int]] = {}
+    for r in requests:
+        core.add_request(r)
+    while core.has_unfinished_requests():
+        step = core.step()
+        for i, rid in enumerate(step.request_ids):
+            outs.setdefault(rid, []).extend(step.tokens_of(i).tolist())
+    core.close()
+    return outs
+
+
+def test_greedy_64_tokens_match_transformers_generate(model, hf_model):
+    texts = prompts(20, seed=1)
+    ours = generate(make_core(model, k=0), texts, 64)
+    for i, t in enumerate(texts):
+        with torch.no_grad():
+            ids = torch.tensor([t])  # NOTE: an explicit mask, or id 0 (the pad id) would be masked out
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(t):].tolist()
+        assert ours[f"r{i}"] == ref, i
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculation_is_lossless(model, k):
+    texts = prompts(8, seed=2)
+    assert generate(make_core(model, k=k), texts, 24) == generate(make_core(model, k=0), texts, 24)
+
+
+def test_mtp_draft_logits_match_the_numpy_reference_at_depths_1_to_3(model, checkpoint):
+    tokens = prompts(1, seed=3)[0] + prompts(1, seed=4)[0]
+    n = len(tokens)
+    ref = mtp_depths(checkpoint[1], TINY_V3, np.array(tokens), k=3)
+    ids = paddle.to_tensor(np.array(tokens, np.int64))
+    prev = model.run(ids, paddle.arange(n, dtype="int64"), DenseCausalContext(1, n)).mtp_hidden
+    for depth in range(1, 4):
+        length = n - depth
+        positions = paddle.arange(length, dtype="int64")
+        out = model.run_mtp(depth - 1, ids[depth:], prev[:length], positions, DenseCausalContext(1, length))
+        ours = model.mtp_logits(out.hidden_states, depth - 1).numpy()
+        assert np.abs(ours - ref[depth - 1]).max() < 1e-4, depth
+        prev = out.mtp_hidden
+
+
+def test_the_mtp_module_reads_its_own_embedding_and_head(checkpoint, tmp_path):
+    """The MTP layer's embed_tokens and shared_head.head are its own tensors, not model.embed_tokens/lm_head."""
+    tensors = dict(checkpoint[1])
+    rng = np.random.default_rng(9)
+    for name in ("model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"):
+        tensors[name] = (0.5 / 8 * rng.standard_normal(tensors[name].shape)).astype(np.float32)  # 8 = sqrt(H)
+    write_checkpoint(tmp_path, tensors=tensors)
+    model = load_serving_model(tmp_path)
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    tokens = prompts(1, seed=6)[0]
+    ref = mtp_depths(tensors, TINY_V3, np.array(tokens), k=1)[0]
+    n = len(tokens)
+    ids = paddle.to_tensor(np.array(tokens, np.int64))
+    prev = model.run(ids, paddle.arange(n, dtype="int64"), DenseCausalContext(1, n)).mtp_hidden
+    out = model.run_mtp(0, ids[1:], prev[:n - 1], paddle.arange(n - 1, dtype="int64"), DenseCausalContext(1, n - 1))
+    assert np.abs(model.mtp_logits(out.hidden_states).numpy() - ref).max() < 1e-4
+
+
+def _rewrite(directory: Path, tensors: dict[str, np.ndarray], config: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_loader_names_a_missing_tensor(checkpoint, tmp_path):
+    tensors = {k: v for k, v in checkpoint[1].items() if k != "model.layers.3.eh_proj.weight"}
+    _rewrite(tmp_path, tensors, TINY_V3)
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.3.eh_proj.weight"):
+        load_serving_model(tmp_path)
+
+
+def test_loader_names_an_unexpected_tensor(checkpoint, tmp_path):
+    tensors = {**checkpoint[1], "model.layers.1.mlp.experts.8.up_proj.weight": np.zeros((24, 64), np.float32)}
+    _rewrite(tmp_path, tensors, TINY_V3)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): model.layers.1.mlp.experts.8.up_proj"):
+        load_serving_model(tmp_path)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_scaling.original_max_position_embeddings"),
+])
+def test_config_errors_name_the_field(checkpoint, tmp_path, change, named):
+    config = {**TINY_V3, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    _rewrite(tmp_path, checkpoint[1], config)
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        load_serving_model(tmp_path)
+
+
+def test_preflight_accepts_the_architecture(checkpoint):
+    from mtpserve.preflight import _model_config
+
+    _model_config(checkpoint[0])  # raises StartupError on an unsupported architecture
