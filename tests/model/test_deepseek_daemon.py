@@ -1,0 +1,63 @@
+"""`mtpserve serve --model DIR` on a tiny DeepSeek-V3 checkpoint (released layout, the bundled tokenizer),
+through the official OpenAI client: a streamed greedy completion with logprobs at k = 2 gives, token
+for token, the log-probabilities transformers' DeepseekV3ForCausalLM computes for its own greedy
+continuation (so tokens and logprobs both match)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deepseek_fixtures import TINY_V3, write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from daemon_harness import BUNDLED, Daemon  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+PROMPT = [17, 301, 2045, 88, 999, 4000, 5, 1234, 77]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("deepseek_serve")
+    write_checkpoint(directory, {**TINY_V3, "vocab_size": 4096})  # the bundled tokenizer's 4096 ids
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED / name, directory / name)
+    return directory
+
+
+def reference_logprobs(model_dir: Path) -> list[float]:
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(PROMPT):]
+    return [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, tokens)]
+
+
+def test_serves_a_deepseek_checkpoint_streaming_with_logprobs(model_dir, tmp_path):
+    daemon = Daemon.start(tmp_path, "--model", str(model_dir), "--num-speculative-tokens", "2",
+                          "--speculative-adaptive", "false")
+    try:
+        daemon.wait_healthy()
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+        stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                           logprobs=2, stream=True, extra_body={"ignore_eos": True})
+        served: list[float] = []
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.logprobs is not None and choice.logprobs.token_logprobs:
+                    served.extend(float(x) for x in choice.logprobs.token_logprobs if x is not None)
+    finally:
+        assert daemon.stop() == 0
+    ref = reference_logprobs(model_dir)
+    assert len(served) == MAX_TOKENS
+    assert np.abs(np.array(served) - np.array(ref)).max() < 1e-4
