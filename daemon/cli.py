@@ -25,7 +25,7 @@ from mtpserve.config import Config, ConfigError, as_toml, iter_keys, load_config
 BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve",
                  "mtpserve.bench.tp", "mtpserve.bench.kv", "mtpserve.bench.pd",
                  "mtpserve.bench.soak", "mtpserve.router.bench", "mtpserve.bench.peer", "mtpserve.bench.prefix",
-                 "mtpserve.bench.chat")
+                 "mtpserve.bench.chat", "mtpserve.bench.route")
 EXIT_CONFIG = 2
 
 
@@ -62,7 +62,7 @@ def build_parser(with_bench: bool) -> argparse.ArgumentParser:
     commands.add_parser("router", help="the PD router: prefill then decode instance per request "
                         "(`mtpserve router --help`)")
     bench = commands.add_parser("bench", help="benchmarks (ipc, engine, serve, tp, kv, pd, soak, router, peer, "
-                                "prefix, chat)")
+                                "prefix, chat, route)")
     if with_bench:
         _add_bench_commands(bench)
     return parser

@@ -17,6 +17,7 @@ import random
 import sys
 import sysconfig
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -24,9 +25,12 @@ import aiohttp
 from mtpserve.bench.serve_client import RequestResult, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
 from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, plot_compare, summarize
+from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, load_tokenizer, shared_prefix_prompts
 from mtpserve.bench.serve_step_load import format_step_load, step_load
+from mtpserve.instance import BUNDLED_MODEL
 
 CHARS_PER_TOKEN = 3.5  # code under a small byte-level BPE; prompt lengths are approximate
+Prompt = str | SharedPrefixPrompt  # a prompt's text, or a shared prefix and a user turn (the chat's system and user)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,11 +40,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model name (default: the server's first /v1/models entry)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--dataset", choices=("code", "random"), default="code",
+    p.add_argument("--dataset", choices=("code", "random", "shared-prefix"), default="code",
                    help="code: windows of Python standard-library sources (the bundled model's domain); "
-                   "random: random words from that corpus")
+                   "random: random words from that corpus; shared-prefix: --num-prefixes system prompts, each "
+                   "request one of them at random plus its own user turn of --input-len tokens "
+                   "(serve_shared_prefix.py)")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
+    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens (shared-prefix: the "
+                   "user turn's)")
+    p.add_argument("--num-prefixes", type=int, default=16, help="shared-prefix: distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of each system prompt")
+    p.add_argument("--tokenizer", type=Path, default=BUNDLED_MODEL, metavar="MODEL_DIR",
+                   help="shared-prefix: cut texts to exact token counts with this directory's tokenizer.json "
+                   "(default: the bundled model's; a directory without one: lengths estimated)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -101,7 +113,7 @@ async def run_launched(args: argparse.Namespace) -> dict:
             model = args.model or await _first_model(session, instances[0].url)
             if args.step_load:
                 return await _step_load_all(session, args, model, instances)
-            prompts, runs, levels = make_prompts(args), [], {}
+            prompts, runs, levels = make_dataset(args), [], {}
             visits = [(c, r) for c in args.concurrency for r in range(args.rounds)]
             for n, (concurrency, round_) in enumerate(visits):
                 # NOTE: each visit starts with the next instance, so no configuration always goes first
@@ -133,7 +145,7 @@ async def _step_load_all(session: aiohttp.ClientSession, args: argparse.Namespac
 
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
     low, high = args.step_load
-    bodies = [request_body(args, model, p) for p in make_prompts(args)]
+    bodies = [request_body(args, model, p) for p in make_dataset(args)]
     return await step_load(session, _url(args), bodies, low, high, args.step_period, args.duration)
 
 
@@ -158,7 +170,7 @@ async def run_all(args: argparse.Namespace) -> dict:
             print(format_step_load(args.base_url, report), flush=True)
             return {"benchmark": "serve-step-load", "base_url": args.base_url, "model": model,
                     "config": _config(args), "runs": [{"label": args.base_url, "summary": report}], "plots": []}
-        prompts = make_prompts(args)
+        prompts = make_dataset(args)
         runs = []
         for concurrency in args.concurrency:
             summary = await run_level(session, args, model, prompts, concurrency)
@@ -173,7 +185,8 @@ def _config(args: argparse.Namespace) -> dict:
     keep = ("endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio", "concurrency",
             "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
             "duration")
-    return {k: getattr(args, k) for k in keep}
+    shared = ("num_prefixes", "prefix_len") if args.dataset == "shared-prefix" else ()
+    return {k: getattr(args, k) for k in (*keep, *shared)}
 
 
 async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -183,7 +196,7 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
-                    prompts: list[str], concurrency: int) -> dict:
+                    prompts: Sequence[Prompt], concurrency: int) -> dict:
     url, bodies = _url(args), [request_body(args, model, p) for p in prompts]
     await asyncio.gather(*(send_request(session, url, b) for b in bodies[:args.warmup]))
     await asyncio.sleep(args.settle)
@@ -256,8 +269,9 @@ def _url(args: argparse.Namespace) -> str:
     return f"{args.base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
 
 
-def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
-    body = {"model": model, "max_tokens": _length(args.output_len, args.range_ratio, prompt),
+def request_body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict:
+    text = prompt.text if isinstance(prompt, SharedPrefixPrompt) else prompt
+    body = {"model": model, "max_tokens": _length(args.output_len, args.range_ratio, text),
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": not args.no_ignore_eos}
     if args.max_draft_tokens is not None:
@@ -265,15 +279,29 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
     if args.endpoint == "chat":
         if args.logprobs is not None:
             body |= {"logprobs": True, "top_logprobs": args.logprobs}
-        return {**body, "messages": [{"role": "user", "content": prompt}]}
+        return {**body, "messages": _messages(prompt)}
     if args.logprobs is not None:
         body["logprobs"] = args.logprobs
-    return {**body, "prompt": prompt}
+    return {**body, "prompt": text}
+
+
+def _messages(prompt: Prompt) -> list[dict]:
+    if isinstance(prompt, SharedPrefixPrompt):
+        return [{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}]
+    return [{"role": "user", "content": prompt}]
 
 
 def _length(base: int, ratio: float, key: str) -> int:
     rng = random.Random(key)  # NOTE: tied to the prompt, so every level sends the same requests
     return max(1, round(base * rng.uniform(1 - ratio, 1 + ratio)))
+
+
+def make_dataset(args: argparse.Namespace) -> list[Prompt]:
+    """The requests' prompts, in sending order (make_prompts, or the shared-prefix dataset)."""
+    if args.dataset != "shared-prefix":
+        return list(make_prompts(args))
+    return list(shared_prefix_prompts(args.seed, args.num_prefixes, args.prefix_len, args.input_len,
+                                      args.num_prompts, load_tokenizer(args.tokenizer)))
 
 
 def make_prompts(args: argparse.Namespace) -> list[str]:

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -27,13 +28,14 @@ class Instance:
     health_path: typing.ClassVar[str] = "/health"  # answers 200 once the server serves
 
     @classmethod
-    def start(cls, spec: str) -> Instance:
-        """spec: "LABEL=serve flags", e.g. "k0=--num-speculative-tokens 0 --speculative-adaptive false"."""
+    def start(cls, spec: str, log_path: Path | None = None) -> Instance:
+        """spec: "LABEL=serve flags", e.g. "k0=--num-speculative-tokens 0 --speculative-adaptive false";
+        log_path: the instance's output is appended there (default: this process's)."""
         label, _, flags = spec.partition("=")
         port, name = _free_port(), f"bench-{label}-{uuid.uuid4().hex[:6]}"
         argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance", name,
                 "--log-level", "warning", *shlex.split(flags)]
-        return cls(label, f"http://127.0.0.1:{port}", subprocess.Popen(argv), name)
+        return cls(label, f"http://127.0.0.1:{port}", popen_logged(argv, log_path), name)
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -61,8 +63,18 @@ class Instance:
             return False
 
 
-def start_all(specs: list[str]) -> list[Instance]:
-    instances = [Instance.start(spec) for spec in specs]
+def popen_logged(argv: list[str], log_path: Path | None) -> subprocess.Popen:
+    """Start `argv` with its stdout and stderr appended to `log_path` (None: inherited)."""
+    if log_path is None:
+        return subprocess.Popen(argv)
+    with open(log_path, "ab") as log:  # NOTE: the child holds its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_all(specs: list[str], log_dir: Path | None = None) -> list[Instance]:
+    """Every instance started, then waited for; log_dir: each one's output in `LABEL.log` there."""
+    instances = [Instance.start(spec, log_dir / f"{spec.partition('=')[0]}.log" if log_dir else None)
+                 for spec in specs]
     try:
         for instance in instances:
             instance.wait_healthy()
