@@ -16,12 +16,13 @@ import paddle
 from safetensors.numpy import save_file
 
 from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
+from mtpserve.model.ernie_model import Ernie4_5_MoeForCausalLM
 from mtpserve.model.mimo_model import MiMoForCausalLM
 from mtpserve.model.safetensors_reader import CheckpointError, SafetensorsFile, weight_files
 
 log = logging.getLogger(__name__)
 
-AnyModel = MiMoForCausalLM | DeepseekV3ForCausalLM
+AnyModel = MiMoForCausalLM | DeepseekV3ForCausalLM | Ernie4_5_MoeForCausalLM
 WEIGHTS_FILE = "model.safetensors"
 # NOTE: Hugging Face checkpoints may carry buffers (RoPE frequencies) that this model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mtpserve.model import deepseek_config
+from mtpserve.model import deepseek_config, ernie_config
 from mtpserve.model.deepseek_config import DeepseekV3Config
+from mtpserve.model.ernie_config import ErnieMoeConfig
 
 # NOTE: MiMo checkpoints name themselves MiMoForCausalLM; a plain Qwen2 checkpoint is the same decoder
 # with no MTP layers, so both load through one model class.
 MIMO_ARCHITECTURES = ("MiMoForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ARCHITECTURES = (*MIMO_ARCHITECTURES, deepseek_config.ARCHITECTURE)
+SUPPORTED_ARCHITECTURES = (*MIMO_ARCHITECTURES, deepseek_config.ARCHITECTURE, ernie_config.ARCHITECTURE)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -84,13 +85,16 @@ def _single_architecture(raw: dict[str, Any]) -> str:
     return names[0]
 
 
-AnyModelConfig = ModelConfig | DeepseekV3Config
+AnyModelConfig = ModelConfig | DeepseekV3Config | ErnieMoeConfig
 
 
 def model_config_from_dict(raw: dict[str, Any]) -> AnyModelConfig:
     """The config class of the checkpoint's architecture (one `architectures` entry)."""
-    if _single_architecture(raw) == deepseek_config.ARCHITECTURE:
+    architecture = _single_architecture(raw)
+    if architecture == deepseek_config.ARCHITECTURE:
         return DeepseekV3Config.from_dict(raw)
+    if architecture == ernie_config.ARCHITECTURE:
+        return ErnieMoeConfig.from_dict(raw)
     return ModelConfig.from_dict(raw)
 
 

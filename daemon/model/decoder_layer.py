@@ -15,6 +15,7 @@ from paddle import nn
 from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.deepseek_config import DeepseekV3Config
+from mtpserve.model.ernie_config import ErnieMoeConfig
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, ServingWeight,
                                      TensorParallel)
@@ -57,9 +58,12 @@ class FusedColumns:
 class Attention(nn.Layer):
     """Grouped-query self-attention with q/k/v bias; heads are split across tensor-parallel ranks."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig | ErnieMoeConfig, tp: TensorParallel = SINGLE,
+                 interleaved_rope: bool = False, o_bias: bool = False):
+        """interleaved_rope: rope rotates pairs (x0, x1), (x2, x3), ... (ERNIE) instead of halves (Qwen2)."""
         super().__init__()
         hidden, dim = config.hidden_size, config.head_dim
+        self.interleaved_rope = interleaved_rope
         self.num_heads = tp.split(config.num_attention_heads)
         self.num_kv_heads = tp.split(config.num_key_value_heads)
         self.head_dim = dim
@@ -67,7 +71,7 @@ class Attention(nn.Layer):
         self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * dim, bias, tp)
         self.k_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * dim, bias, tp)
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * dim, bias, tp)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * dim, hidden, False, tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * dim, hidden, o_bias, tp)
         self.qkv = FusedColumns([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: paddle.Tensor, cos_sin: tuple[paddle.Tensor, paddle.Tensor],
@@ -76,6 +80,11 @@ class Attention(nn.Layer):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).reshape([-1, heads + 2 * kv_heads, self.head_dim])  # [T, heads+2*kv, D]
         qk, v = paddle.split(qkv, [heads + kv_heads, kv_heads], axis=1)
+        if self.interleaved_rope:
+            # NOTE: evens then odds makes the pairwise rotation a "rotate half" one; q and k are permuted
+            # alike, so their dot products are unchanged (the cache keeps the permuted keys).
+            qk = qk.reshape([-1, heads + kv_heads, self.head_dim // 2, 2]).transpose([0, 1, 3, 2]).reshape(
+                [-1, heads + kv_heads, self.head_dim])
         # NOTE: q and k are rotated together: one RoPE over heads+kv_heads instead of two.
         q, k = paddle.split(RotaryEmbedding.apply(qk, *cos_sin), [heads, kv_heads], axis=1)
         out = ctx.attend(layer, q, k, v)  # [T, heads, D]
@@ -85,7 +94,7 @@ class Attention(nn.Layer):
 class MLP(nn.Layer):
     """down(silu(gate(x)) * up(x)); gate/up are column-split, down is row-split."""
 
-    def __init__(self, config: ModelConfig | DeepseekV3Config, tp: TensorParallel = SINGLE,
+    def __init__(self, config: ModelConfig | DeepseekV3Config | ErnieMoeConfig, tp: TensorParallel = SINGLE,
                  intermediate_size: int | None = None):
         super().__init__()
         hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import paddle
 
-from mtpserve.model.checkpoint import load_weights
-from mtpserve.model.config import ModelConfig, UnsupportedArchitectureError, model_config_from_file
+from mtpserve.model.checkpoint import AnyModel, load_weights
+from mtpserve.model.config import AnyModelConfig, ModelConfig, UnsupportedArchitectureError, model_config_from_file
 from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
 from mtpserve.model.draft_vocab import read_draft_vocab
+from mtpserve.model.ernie_config import ErnieMoeConfig
+from mtpserve.model.ernie_model import Ernie4_5_MoeForCausalLM
 from mtpserve.model.mimo_model import MiMoForCausalLM
 from mtpserve.model.serving_model import ServingModel
 from mtpserve.model.parallel import SINGLE, TensorParallel
@@ -44,9 +46,17 @@ def load_serving_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
     if (model_dir / "tokenizer.json").exists():
         Tokenizer.from_model_dir(model_dir).check_vocab(config.vocab_size)
     with paddle.no_grad():
-        model = MiMoForCausalLM(config, tp) if isinstance(config, ModelConfig) else DeepseekV3ForCausalLM(config, tp)
+        model = _model_class(config, tp)
         load_weights(model, model_dir)
         if draft_vocab and isinstance(model, MiMoForCausalLM):
             model.set_draft_vocab(read_draft_vocab(model_dir, config.vocab_size))
     model.eval()
     return model
+
+
+def _model_class(config: AnyModelConfig, tp: TensorParallel) -> AnyModel:
+    if isinstance(config, ModelConfig):
+        return MiMoForCausalLM(config, tp)
+    if isinstance(config, ErnieMoeConfig):
+        return Ernie4_5_MoeForCausalLM(config, tp)
+    return DeepseekV3ForCausalLM(config, tp)

@@ -69,13 +69,20 @@ class MoE(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         """x: [T, H] -> [T, H]."""
         ids, weights = self.gate(x)
-        ids_cpu = ids.numpy()  # [T, K]
-        out = self.shared_experts(x) if self.shared_experts is not None else paddle.zeros_like(x)
-        routed = paddle.zeros_like(x)
-        for expert in np.unique(ids_cpu):
-            rows, slot = np.nonzero(ids_cpu == expert)  # tokens routed to `expert`, and at which k
-            rows_dev = host_tensor(rows.astype(np.int64))
-            w = paddle.gather_nd(weights, host_tensor(np.stack([rows, slot], axis=1).astype(np.int64)))  # [n]
-            y = self.experts[int(expert)](paddle.gather(x, rows_dev)) * w.unsqueeze(-1)  # [n, H]
-            routed = paddle.index_add(routed, rows_dev, 0, y)
-        return out + routed
+        routed = routed_sum(self.experts, x, ids, weights)
+        return routed + self.shared_experts(x) if self.shared_experts is not None else routed
+
+
+def routed_sum(experts: nn.LayerList, x: paddle.Tensor, ids: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+    """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for every token t: x [T, H], ids/weights [T, K].
+
+    Each expert with tokens runs once, on its rows only."""
+    ids_cpu = ids.numpy()  # [T, K]
+    routed = paddle.zeros_like(x)
+    for expert in np.unique(ids_cpu):
+        rows, slot = np.nonzero(ids_cpu == expert)  # tokens routed to `expert`, and at which k
+        rows_dev = host_tensor(rows.astype(np.int64))
+        w = paddle.gather_nd(weights, host_tensor(np.stack([rows, slot], axis=1).astype(np.int64)))  # [n]
+        y = experts[int(expert)](paddle.gather(x, rows_dev)) * w.unsqueeze(-1)  # [n, H]
+        routed = paddle.index_add(routed, rows_dev, 0, y)
+    return routed

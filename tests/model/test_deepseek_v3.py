@@ -13,23 +13,20 @@ import paddle
 import pytest
 from deepseek_fixtures import TINY_V3, write_checkpoint
 from deepseek_reference import main_model, mtp_depths
-from model_fixtures import Window, pack
+from family_harness import generate, hf_greedy, make_core, paged_logits
+from family_harness import prompts as family_prompts
 from safetensors.numpy import save_file
 
-from mtpserve.engine.engine_core import CoreConfig, EngineCore
-from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
-from mtpserve.engine.request import EngineRequest, SamplingParams
-from mtpserve.engine.scheduler import SchedulerConfig
-from mtpserve.model.attention_context import DenseCausalContext, PagedContext
+from mtpserve.model.attention_context import DenseCausalContext
 from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
 from mtpserve.model.loader import load_serving_model
 from mtpserve.model.safetensors_reader import CheckpointError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)  # NOTE: the reference is tiny; more threads only contend with Paddle's
 
 VOCAB = TINY_V3["vocab_size"]
-BLOCK = 8
 
 
 @pytest.fixture(scope="module")
@@ -55,30 +52,12 @@ def hf_model(checkpoint):
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    gen = np.random.default_rng(seed)
-    return [gen.integers(0, VOCAB, int(gen.integers(4, 40))).tolist() for _ in range(n)]
+    return family_prompts(n, VOCAB, seed)
 
 
 def hf_logits(hf, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].numpy()
-
-
-def paged_logits(model: DeepseekV3ForCausalLM, texts: list[list[int]]) -> list[np.ndarray]:
-    """Each prompt as two chunks through the latent paged cache (the second reads the first's rows)."""
-    kv = model.allocate_kv(model.config.num_hidden_layers, 256, BLOCK)
-    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(texts))]
-    halves = [len(t) // 2 for t in texts]
-    out: list[list[np.ndarray]] = [[] for _ in texts]
-    for first in (True, False):
-        windows = [Window(t[:h] if first else t[h:], 0 if first else h, b) for t, h, b in zip(texts, halves, blocks)]
-        batch = pack(windows, BLOCK, 8)
-        hidden = model.run(batch.input_ids, batch.positions, PagedContext(batch, kv)).hidden_states
-        logits = model.compute_logits(hidden).numpy()
-        cu = np.cumsum([0] + [len(w.ids) for w in windows])
-        for i in range(len(texts)):
-            out[i].append(logits[cu[i]:cu[i + 1]])
-    return [np.concatenate(parts) for parts in out]
 
 
 def test_logits_match_transformers_on_20_prompts(model, hf_model):
@@ -94,37 +73,11 @@ def test_logits_match_the_numpy_reference(model, checkpoint):
     assert np.abs(ours - ref).max() < 1e-4
 
 
-def make_core(model, k: int, max_num_seqs: int = 8) -> EngineCore:
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_prefill_chunk=16,
-                            num_speculative_tokens=k, num_blocks=512, block_size=BLOCK)
-    runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=max_num_seqs, num_blocks=512,
-                                                        block_size=BLOCK, num_speculative_tokens=k))
-    return EngineCore(CoreConfig(sched, overlap=True), runner)
-
-
-def generate(core: EngineCore, texts: list[list[int]], max_tokens: int) -> dict[int | str, list[int]]:
-    requests = [EngineRequest(f"r{i}", tuple(t), SamplingParams(temperature=0.0, max_tokens=max_tokens))
-                for i, t in enumerate(texts)]
-    outs: dict[int | str, list[int]] = {}
-    for r in requests:
-        core.add_request(r)
-    while core.has_unfinished_requests():
-        step = core.step()
-        for i, rid in enumerate(step.request_ids):
-            outs.setdefault(rid, []).extend(step.tokens_of(i).tolist())
-    core.close()
-    return outs
-
-
 def test_greedy_64_tokens_match_transformers_generate(model, hf_model):
     texts = prompts(20, seed=1)
     ours = generate(make_core(model, k=0), texts, 64)
     for i, t in enumerate(texts):
-        with torch.no_grad():
-            ids = torch.tensor([t])  # NOTE: an explicit mask, or id 0 (the pad id) would be masked out
-            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(t):].tolist()
-        assert ours[f"r{i}"] == ref, i
+        assert ours[f"r{i}"] == hf_greedy(hf_model, torch, t, 64), i
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

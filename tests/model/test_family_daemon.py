@@ -1,40 +1,51 @@
-"""`mtpserve serve --model DIR` on a tiny DeepSeek-V3 checkpoint (released layout, the bundled tokenizer),
-through the official OpenAI client: a streamed greedy completion with logprobs at k = 2 gives, token
-for token, the log-probabilities transformers' DeepseekV3ForCausalLM computes for its own greedy
-continuation (so tokens and logprobs both match)."""
+"""`mtpserve serve --model DIR` on a tiny checkpoint of each family (DeepSeek-V3, ERNIE-4.5 MoE; released
+layouts, the bundled tokenizer), through the official OpenAI client: a streamed greedy completion with
+logprobs at k = 2 gives, token for token, the log-probabilities transformers' own implementation
+computes for its own greedy continuation (so tokens and logprobs both match)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from deepseek_fixtures import TINY_V3, write_checkpoint
+import deepseek_fixtures
+import ernie_fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import BUNDLED, Daemon  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)  # NOTE: the reference is tiny; more threads only contend with Paddle's
 openai = pytest.importorskip("openai")
 
 PROMPT = [17, 301, 2045, 88, 999, 4000, 5, 1234, 77]
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("deepseek_serve")
-    write_checkpoint(directory, {**TINY_V3, "vocab_size": 4096})  # the bundled tokenizer's 4096 ids
+FAMILIES = {
+    "DeepseekV3ForCausalLM": (deepseek_fixtures.write_checkpoint, deepseek_fixtures.TINY_V3),
+    "Ernie4_5_MoeForCausalLM": (ernie_fixtures.write_checkpoint, ernie_fixtures.TINY_ERNIE),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def model_dir(request, tmp_path_factory) -> Path:
+    write, config = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    write(directory, {**config, "vocab_size": 4096})  # the bundled tokenizer's 4096 ids
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / name, directory / name)
     return directory
 
 
 def reference_logprobs(model_dir: Path) -> list[float]:
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    hf = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
@@ -43,7 +54,7 @@ def reference_logprobs(model_dir: Path) -> list[float]:
     return [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, tokens)]
 
 
-def test_serves_a_deepseek_checkpoint_streaming_with_logprobs(model_dir, tmp_path):
+def test_serves_the_family_streaming_with_logprobs(model_dir, tmp_path):
     daemon = Daemon.start(tmp_path, "--model", str(model_dir), "--num-speculative-tokens", "2",
                           "--speculative-adaptive", "false")
     try:
