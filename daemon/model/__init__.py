@@ -1,8 +1,13 @@
-"""The Paddle model: a dense Qwen2-style decoder with MTP layers in the MiMo checkpoint layout.
+"""The Paddle models: MiMo/Qwen2 (a dense decoder with MTP layers), DeepSeek-V3 and ERNIE-4.5 MoE
+(docs/models.md), each serving the one contract the engine is typed against (serving_model.py).
 
 Rank processes only (imports paddle). Files, along the path of one step:
-  config.py            ModelConfig.from_file(config.json); rejects unknown `architectures`
-  loader.py            load_model(model_dir, tp=SINGLE) -> MiMoForCausalLM (weights + tokenizer check)
+  config.py            model_config_from_file(config.json) -> the family's config; rejects unknown `architectures`
+  loader.py            load_serving_model(model_dir, tp=SINGLE) -> the family's model (weights + tokenizer
+                       check); load_model(...) -> MiMoForCausalLM for the tools that train/measure it
+  serving_model.py     ServingModel / ServingConfig: what the engine needs of a model
+  deepseek_config.py, deepseek_model.py, mla.py, moe.py   DeepSeek-V3: MLA over a latent cache, MoE, MTP
+  ernie_config.py, ernie_model.py                         ERNIE-4.5 MoE and its MTP block
   checkpoint.py        save_checkpoint / load_weights; CheckpointError names missing/unexpected/mis-shaped
   safetensors_reader.py  memory-mapped safetensors reading (bf16 widened to fp32)
   forward_batch.py     ForwardBatch: one step's packed tokens + block tables
