@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from family_harness import drafty
 from safetensors.numpy import save_file
 
 # Small sizes, every feature on: q LoRA, several expert groups, a dense first layer, YaRN with both
@@ -118,3 +119,13 @@ def write_checkpoint(directory: Path, cfg: dict[str, Any] | None = None, seed: i
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def drafty_tensors(cfg: dict[str, Any] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors whose MTP module drafts what the main model then emits (family_harness.drafty)."""
+    cfg = cfg or TINY_V3
+    mtp = f"model.layers.{cfg['num_hidden_layers']}."
+    return drafty(random_tensors(cfg, seed), vocab=cfg["vocab_size"], hidden=cfg["hidden_size"],
+                  damped_prefixes=("model.layers.",), heads=("lm_head.weight", mtp + "shared_head.head.weight"),
+                  embeddings=("model.embed_tokens.weight", mtp + "embed_tokens.weight"),
+                  projections=(mtp + "eh_proj.weight",), seed=seed)

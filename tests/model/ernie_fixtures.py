@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from family_harness import drafty
 from safetensors.numpy import save_file
 
 # Small sizes, every feature on: GQA, a dense first layer, MoE layers with shared experts and an
@@ -103,3 +104,13 @@ def write_checkpoint(directory: Path, cfg: dict[str, Any] | None = None, seed: i
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def drafty_tensors(cfg: dict[str, Any] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors whose MTP block drafts what the main model then emits (family_harness.drafty)."""
+    cfg = cfg or TINY_ERNIE
+    return drafty(random_tensors(cfg, seed), vocab=cfg["vocab_size"], hidden=cfg["hidden_size"],
+                  damped_prefixes=("model.layers.", "model.mtp_block."), heads=("lm_head.weight",),
+                  embeddings=("model.embed_tokens.weight",),
+                  projections=tuple(f"model.mtp_linear_proj.{j}.weight" for j in range(cfg["num_nextn_predict_layers"])),
+                  seed=seed)

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from ernie_fixtures import TINY_ERNIE, write_checkpoint
+from ernie_fixtures import TINY_ERNIE, drafty_tensors, write_checkpoint
 from ernie_reference import main_model, mtp_depths
-from family_harness import generate, hf_greedy, make_core, paged_logits, prompts
+from family_harness import (generate, hf_greedy, make_core, paged_logits, prompts, sampled_tokens,
+                            two_sample_chi2_pvalue)
 from safetensors.numpy import save_file
 
 from mtpserve.model.attention_context import DenseCausalContext
@@ -71,6 +72,36 @@ def test_greedy_64_tokens_match_transformers_generate(model, hf_model):
     ours = generate(make_core(model, k=0), texts, 64)
     for i, t in enumerate(texts):
         assert ours[f"r{i}"] == hf_greedy(hf_model, torch, t, 64), i
+
+
+@pytest.fixture(scope="module")
+def drafty_model(tmp_path_factory) -> Ernie4_5_MoeForCausalLM:
+    directory = tmp_path_factory.mktemp("drafty")
+    write_checkpoint(directory, tensors=drafty_tensors())
+    loaded = load_serving_model(directory)
+    assert isinstance(loaded, Ernie4_5_MoeForCausalLM)
+    return loaded
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculation_is_lossless_with_drafts_accepted(drafty_model, k):
+    texts = prompts(8, VOCAB, seed=2)
+    core = make_core(drafty_model, k=k)
+    spec = generate(core, texts, 24)
+    assert min(core.acceptance.per_position_rate()) > 0.5  # the accept path runs, not only rejection
+    assert spec == generate(make_core(drafty_model, k=0), texts, 24)
+
+
+def test_sampled_outputs_keep_their_distribution_with_mtp(drafty_model):
+    """Tokens 2..4 of 1200 seeded samples at temperature 0.3 with k = 2 (rejection sampling of the drafts)
+    follow the distribution of plain sampling (two-sample chi-square)."""
+    prompt = [5, 17, 42, 99, 3, 150, 64]
+    plain, _ = sampled_tokens(drafty_model, 0, prompt, 1200)
+    spec, rates = sampled_tokens(drafty_model, 2, prompt, 1200)
+    assert rates[0] > 0.3, rates
+    for col in (1, 2, 3):
+        assert two_sample_chi2_pvalue(plain[:, col], spec[:, col], VOCAB) > 1e-4
+    assert (plain != spec).any()  # different random paths, same distribution
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
