@@ -35,6 +35,11 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = True
     num_nextn_predict_layers: int = 0
+    # NOTE: MTP conventions, declared by the checkpoint (docs/models.md). The defaults are what the peers
+    # do with real MiMo checkpoints (vLLM: the drafter reads the target's hidden before model.norm, and
+    # the token embedding at position 0 is zeroed); the bundled model's config.json states its own.
+    mtp_hidden_after_norm: bool = False
+    mtp_zero_position_zero: bool = True
     architecture: str = "MiMoForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | None = None

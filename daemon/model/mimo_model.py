@@ -136,7 +136,8 @@ class MiMoForCausalLM(nn.Layer):
         x = self.model.embed_tokens(input_ids)  # [T, H]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, ctx, i)
-        return ModelOutput(hidden_states=self.model.norm(x), mtp_hidden=x)
+        normed = self.model.norm(x)
+        return ModelOutput(hidden_states=normed, mtp_hidden=normed if self.config.mtp_hidden_after_norm else x)
 
     def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor,
                 positions: paddle.Tensor, ctx: AttentionContext, kv_layer: int | None = None,
@@ -146,8 +147,9 @@ class MiMoForCausalLM(nn.Layer):
         layer_index = index % self.num_mtp_layers
         layer = self.model.mtp_layers[layer_index]
         kv_index = layer_index if kv_layer is None else kv_layer
+        keep = (positions != 0).astype(prev_hidden.dtype).unsqueeze(-1) if self.config.mtp_zero_position_zero else None
         x = layer(token_ids, self.model.embed_tokens, prev_hidden, self.rotary.cos_sin(positions), ctx,
-                  kv_index, out_rows)
+                  kv_index, out_rows, keep)
         return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)
 
 

@@ -62,24 +62,34 @@ class MTPLayer(nn.Layer):
 
     def forward(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding, prev_hidden: paddle.Tensor,
                 cos_sin: tuple[paddle.Tensor, paddle.Tensor], ctx: AttentionContext,
-                layer: int, out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
+                layer: int, out_rows: paddle.Tensor | None = None,
+                keep_token: paddle.Tensor | None = None) -> paddle.Tensor:
         """token_ids: [T], prev_hidden: [T, H] -> this depth's hidden [T, H] (before final_layernorm).
 
         out_rows: [N] if only those rows' outputs are wanted -> [N, H]; every row's KV is still written,
-        but the MLP runs on the N rows only.
+        but the MLP runs on the N rows only. keep_token: [T, 1], 0 where the token embedding is zeroed
+        (position 0 under `mtp_zero_position_zero`).
         """
-        x = self._project_inputs(token_ids, embedding, prev_hidden)  # [T, H]
+        x = self._project_inputs(token_ids, embedding, prev_hidden, keep_token)  # [T, H]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx, layer)
         if out_rows is not None:
             x = paddle.gather(x, out_rows)  # [N, H]
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _project_inputs(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding,
-                        prev_hidden: paddle.Tensor) -> paddle.Tensor:
-        """input_proj(concat[hidden_layernorm(prev_hidden), token_layernorm(embed(token_ids))]) -> [T, H]."""
+                        prev_hidden: paddle.Tensor, keep_token: paddle.Tensor | None) -> paddle.Tensor:
+        """input_proj(concat[hidden_layernorm(prev_hidden), token_layernorm(embed(token_ids))]) -> [T, H].
+
+        NOTE: a zeroed embedding normalises to zero (RMSNorm of 0 is 0), so zeroing the token half's
+        projection is the same as zeroing the embedding."""
         if self.tokens.table is not None:
             token_part = embedding.lookup(token_ids, self.tokens.table)  # [T, H]
+            if keep_token is not None:
+                token_part = token_part * keep_token
             return self.tokens.hidden.matmul(self.hidden_layernorm(prev_hidden), None) + token_part
-        joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(embedding(token_ids))],
+        emb = embedding(token_ids)
+        if keep_token is not None:
+            emb = emb * keep_token
+        joined = paddle.concat([self.hidden_layernorm(prev_hidden), self.token_layernorm(emb)],
                                axis=-1)  # [T, 2H]
         return self.input_proj(joined)

@@ -15,7 +15,8 @@ from mtpserve.model.mimo_model import MiMoForCausalLM
 
 TINY: dict[str, Any] = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-            num_nextn_predict_layers=2, architecture="MiMoForCausalLM")
+            num_nextn_predict_layers=2, architecture="MiMoForCausalLM",
+            mtp_zero_position_zero=False)  # NOTE: the bundled model's convention (test_mimo_conventions.py: the other)
 
 
 def randomize(model: MiMoForCausalLM, seed: int) -> None:

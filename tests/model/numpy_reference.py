@@ -74,7 +74,10 @@ class Reference:
         """MTP layer i at positions 0..S-1: next_ids [S] are the tokens at t+1 (for depth 1)."""
         w, eps, p = self.w, self.cfg.rms_norm_eps, f"model.mtp_layers.{i}."
         positions = np.arange(len(next_ids), dtype=np.float64)
-        emb = rms_norm(w["model.embed_tokens.weight"][next_ids], w[p + "token_layernorm.weight"], eps)
+        raw = w["model.embed_tokens.weight"][next_ids].copy()
+        if getattr(self.cfg, "mtp_zero_position_zero", False):  # vLLM's convention for real MiMo checkpoints
+            raw[0] = 0.0
+        emb = rms_norm(raw, w[p + "token_layernorm.weight"], eps)
         hid = rms_norm(prev_hidden, w[p + "hidden_layernorm.weight"], eps)
         x = linear(np.concatenate([hid, emb], -1), w[p + "input_proj.weight"])
         x = self.block(p, x, positions)
