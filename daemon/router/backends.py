@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mtpserve.router.policy import Choice, PolicyConfig, choose
+from mtpserve.router.policy import CACHE, MISS, Choice, PolicyConfig, choose
 from mtpserve.router.prefix_index import PrefixSet
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
@@ -90,7 +90,9 @@ class BackendPool:
         choice = choose(self.policy, healthy, keys, turn)
         backend = healthy[choice.position]
         self._next = self.backends.index(backend) + 1
-        if keys and self.policy.name == "cache_aware":
+        if keys and choice.reason in (CACHE, MISS):
+            # NOTE: a request sent away from its prefix's instance for load does not move the prefix:
+            # the prefix would end up on both, each instance's cache holding more distinct prefixes
             backend.prefixes.insert(keys)
         return backend, choice
 

@@ -9,7 +9,7 @@
       - that instance is overloaded: more than `balance_abs` requests in flight beyond the least loaded
         one and more than `balance_rel` times its count (the least loaded instance takes it);
     among instances with equal matches, the least loaded. The prompt is then remembered for the
-    instance that took it.
+    instance that took it, unless it went there for load (backends.py).
 """
 
 from __future__ import annotations
