@@ -95,12 +95,13 @@ class MLP(nn.Layer):
     """down(silu(gate(x)) * up(x)); gate/up are column-split, down is row-split."""
 
     def __init__(self, config: ModelConfig | DeepseekV3Config | ErnieMoeConfig, tp: TensorParallel = SINGLE,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, reduce_output: bool = True):
+        """reduce_output=False: under tensor parallelism each rank returns its partial sum (MoE experts)."""
         super().__init__()
         hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, False, tp)
         self.up_proj = ColumnParallelLinear(hidden, inner, False, tp)
-        self.down_proj = RowParallelLinear(inner, hidden, False, tp)
+        self.down_proj = RowParallelLinear(inner, hidden, False, tp, reduce=reduce_output)
         self.gate_up = FusedColumns([self.gate_proj, self.up_proj])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:

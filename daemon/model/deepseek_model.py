@@ -101,9 +101,6 @@ class DeepseekV3ForCausalLM(nn.Layer):
 
     def __init__(self, config: DeepseekV3Config, tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} runs at tensor-parallel size 1 only "
-                             "(--tensor-parallel-size 1); docs/models.md")
         self.config = config
         self.tp = tp
         self.model = DeepseekV3Body(config, tp)
@@ -140,7 +137,8 @@ class DeepseekV3ForCausalLM(nn.Layer):
             raise ValueError(f"draft_vocab.json is not supported for {self.config.architecture}")
 
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int, dtype: str = "float32") -> KVCache:
-        """The latent cache: one [r + rope] row per token and layer, both K and V (model/mla.py)."""
+        """The latent cache: one [r + rope] row per token and layer, both K and V (model/mla.py). Every
+        tensor-parallel rank keeps the whole latent: it is one "head", shared by all query heads."""
         return KVCache.allocate(num_layers, num_blocks, block_size, 1, self.config.head_dim, dtype, shared_kv=True)
 
     def kv_elements_per_token_layer(self) -> int:

@@ -58,13 +58,14 @@ class MoeStatics(nn.Layer):
 class ErnieMoE(nn.Layer):
     def __init__(self, config: ErnieMoeConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.gate = ErnieRouter(config)
         self.moe_statics = MoeStatics(config)
         inner = config.moe_intermediate_size
-        self.experts = nn.LayerList([MLP(config, tp, inner) for _ in range(config.moe_num_experts)])
+        # NOTE: tensor-parallel inside each expert, one all-reduce per layer (model/moe.py MoE)
+        self.experts = nn.LayerList([MLP(config, tp, inner, reduce_output=False) for _ in range(config.moe_num_experts)])
         shared = config.moe_num_shared_experts
-        self.shared_experts = MLP(config, tp, inner * shared) if shared else None
+        self.shared_experts = MLP(config, tp, inner * shared, reduce_output=False) if shared else None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         """x: [T, H] -> [T, H]."""
@@ -74,7 +75,7 @@ class ErnieMoE(nn.Layer):
         weights = paddle.take_along_axis(probs, ids, axis=1)
         weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.config.moe_norm_min)
         routed = routed_sum(self.experts, x, ids, weights)
-        return routed + self.shared_experts(x) if self.shared_experts is not None else routed
+        return self.tp.all_reduce(routed + self.shared_experts(x) if self.shared_experts is not None else routed)
 
 
 class ErnieDecoderLayer(nn.Layer):
@@ -113,9 +114,6 @@ class Ernie4_5_MoeForCausalLM(nn.Layer):
 
     def __init__(self, config: ErnieMoeConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} runs at tensor-parallel size 1 only "
-                             "(--tensor-parallel-size 1); docs/models.md")
         self.config = config
         self.tp = tp
         self.model = ErnieBody(config, tp)
@@ -147,11 +145,12 @@ class Ernie4_5_MoeForCausalLM(nn.Layer):
             raise ValueError(f"draft_vocab.json is not supported for {self.config.architecture}")
 
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int, dtype: str = "float32") -> KVCache:
-        return KVCache.allocate(num_layers, num_blocks, block_size, self.config.num_key_value_heads,
+        """K and V per layer for this rank's KV heads."""
+        return KVCache.allocate(num_layers, num_blocks, block_size, self.tp.split(self.config.num_key_value_heads),
                                 self.config.head_dim, dtype)
 
     def kv_elements_per_token_layer(self) -> int:
-        return 2 * self.config.num_key_value_heads * self.config.head_dim
+        return 2 * self.tp.split(self.config.num_key_value_heads) * self.config.head_dim
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ModelOutput:
         return self.run(batch.input_ids, batch.positions, PagedContext(batch, kv))

@@ -122,6 +122,10 @@ class MiMoForCausalLM(nn.Layer):
         logits = self.lm_head(hidden_states)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
+    def mtp_logits(self, hidden_states: paddle.Tensor, index: int = 0) -> paddle.Tensor:
+        """MTP outputs share the main head."""
+        return self.compute_logits(hidden_states)
+
     def draft_token_ids(self, hidden_states: paddle.Tensor, index: int = 0) -> paddle.Tensor:
         """hidden_states: [N, H] MTP outputs -> [N] int64 greedy draft tokens (drafts are one-hot, so
         rejection sampling needs no draft probabilities). With a draft vocabulary, the argmax is over

@@ -59,18 +59,24 @@ class Router(nn.Layer):
 
 
 class MoE(nn.Layer):
+    """Under tensor parallelism every rank holds a slice of every expert (gate/up by columns, down by
+    rows), routes identically (the router is replicated and its input is identical on every rank), and
+    the experts' partial sums are all-reduced once per layer (docs/models.md says why not expert-parallel)."""
+
     def __init__(self, config: DeepseekV3Config, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate = Router(config)
         inner = config.moe_intermediate_size
-        self.experts = nn.LayerList([MLP(config, tp, inner) for _ in range(config.n_routed_experts)])
-        self.shared_experts = MLP(config, tp, inner * config.n_shared_experts) if config.n_shared_experts else None
+        self.experts = nn.LayerList([MLP(config, tp, inner, reduce_output=False) for _ in range(config.n_routed_experts)])
+        shared = config.n_shared_experts
+        self.shared_experts = MLP(config, tp, inner * shared, reduce_output=False) if shared else None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         """x: [T, H] -> [T, H]."""
         ids, weights = self.gate(x)
         routed = routed_sum(self.experts, x, ids, weights)
-        return routed + self.shared_experts(x) if self.shared_experts is not None else routed
+        return self.tp.all_reduce(routed + self.shared_experts(x) if self.shared_experts is not None else routed)
 
 
 def routed_sum(experts: nn.LayerList, x: paddle.Tensor, ids: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:

@@ -107,11 +107,18 @@ class ColumnParallelLinear(nn.Layer):
 
 
 class RowParallelLinear(nn.Layer):
-    """y = sum over ranks of x_r W_r^T, then + b: the input arrives split, the output is all-reduced."""
+    """y = sum over ranks of x_r W_r^T, then + b: the input arrives split, the output is all-reduced.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+    reduce=False leaves each rank's partial sum for the caller to add up (an MoE layer sums its experts'
+    partials first and all-reduces once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE,
+                 reduce: bool = True):
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a bias is added after the all-reduce: reduce=False takes no bias")
         self.tp = tp
+        self.reduce = reduce
         self.weight = _weight(self, [out_features, tp.split(in_features)])  # [out, in/tp]
         self.bias = _bias(self, out_features) if bias else None
         self.shard_axes = {"weight": 1, "bias": None}
@@ -124,7 +131,10 @@ class RowParallelLinear(nn.Layer):
         self.serving.thaw()
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = self.tp.all_reduce(self.serving.matmul(x, self.weight))
+        y = self.serving.matmul(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

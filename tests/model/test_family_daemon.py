@@ -1,7 +1,8 @@
 """`mtpserve serve --model DIR` on a tiny checkpoint of each family (DeepSeek-V3, ERNIE-4.5 MoE; released
 layouts, the bundled tokenizer), through the official OpenAI client: a streamed greedy completion with
-logprobs at k = 2 gives, token for token, the log-probabilities transformers' own implementation
-computes for its own greedy continuation (so tokens and logprobs both match)."""
+logprobs at k = 2, at TP = 1 and 2 (the slow run adds k = 0, 1, 3 at TP = 2), gives, token for token,
+the log-probabilities transformers' own implementation computes for its own greedy continuation (so
+tokens and logprobs both match)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import deepseek_fixtures
 import ernie_fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import BUNDLED, Daemon  # noqa: E402
+from daemon_harness import BUNDLED, Daemon, free_port  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,9 +55,13 @@ def reference_logprobs(model_dir: Path) -> list[float]:
     return [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, tokens)]
 
 
-def test_serves_the_family_streaming_with_logprobs(model_dir, tmp_path):
-    daemon = Daemon.start(tmp_path, "--model", str(model_dir), "--num-speculative-tokens", "2",
-                          "--speculative-adaptive", "false")
+@pytest.mark.parametrize(("tp", "k"), [(1, 2), (2, 2), pytest.param(2, 0, marks=pytest.mark.slow),
+                                       pytest.param(2, 1, marks=pytest.mark.slow),
+                                       pytest.param(2, 3, marks=pytest.mark.slow)])
+def test_serves_the_family_streaming_with_logprobs(model_dir, tmp_path, tp, k):
+    daemon = Daemon.start(tmp_path, "--model", str(model_dir), "--num-speculative-tokens", str(k),
+                          "--speculative-adaptive", "false", "--tensor-parallel-size", str(tp),
+                          "--master-port", str(free_port()))
     try:
         daemon.wait_healthy()
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")

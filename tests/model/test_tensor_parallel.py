@@ -1,4 +1,6 @@
-"""Tensor parallelism: two ranks with sliced weights give the same logits as one rank."""
+"""Tensor parallelism: two ranks with sliced weights give the same logits as one rank, for every family
+(MiMo; DeepSeek-V3: MLA heads split, the latent cache whole on each rank, experts split inside;
+ERNIE-4.5 MoE: KV heads split, experts split inside)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import deepseek_fixtures
+import ernie_fixtures
 from model_fixtures import make_model
 from mtpserve.model.checkpoint import save_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
 
 
-def test_two_ranks_match_one_rank(tmp_path):
-    save_checkpoint(make_model(seed=11, vocab_size=98), tmp_path / "model")
+def write_family(family: str, directory: Path) -> int:
+    """The family's tiny checkpoint in `directory`; returns its vocabulary size."""
+    if family == "deepseek":
+        deepseek_fixtures.write_checkpoint(directory)
+        return deepseek_fixtures.TINY_V3["vocab_size"]
+    if family == "ernie":
+        ernie_fixtures.write_checkpoint(directory)
+        return ernie_fixtures.TINY_ERNIE["vocab_size"]
+    save_checkpoint(make_model(seed=11, vocab_size=98), directory)
+    return 98
+
+
+@pytest.mark.parametrize("family", ["mimo", "deepseek", "ernie"])
+def test_two_ranks_match_one_rank(tmp_path, family):
+    vocab = write_family(family, tmp_path / "model")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "model"), str(tmp_path / "tp1.npy")],
                             env=env, capture_output=True, text=True, timeout=120)
@@ -30,5 +47,5 @@ def test_two_ranks_match_one_rank(tmp_path):
         pytest.fail(f"tp=2 launch failed: {double.stderr[-1500:]}\n{logs}")
     assert (tmp_path / "tp2.world").read_text() == "2"
     one, two = np.load(tmp_path / "tp1.npy"), np.load(tmp_path / "tp2.npy")
-    assert one.shape == two.shape == (28, 98)
+    assert one.shape == two.shape == (28, vocab)
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-4 * np.abs(one).max())
