@@ -29,11 +29,16 @@ class ReadDescriptors(NamedTuple):
 def kv_buffers(main: KVCache, depths: Sequence[KVCache]) -> list[paddle.Tensor]:
     """The unique KV tensors in docs/pd.md order: layer 0 K, layer 0 V, ..., then depth 0 K, V, ...
 
-    NOTE: a depth cache lists one K/V pair L times (model_runner._depth_cache); it is exposed once."""
-    buffers = [t for k, v in zip(main.k, main.v) for t in (k, v)]
+    NOTE: a depth cache lists one K/V pair L times (model_runner._depth_cache); it is exposed once. A
+    cache whose K tensor is also its V (MLA's latent cache, docs/models.md) exposes it once per layer."""
+    buffers = [t for k, v in zip(main.k, main.v) for t in _pair(k, v)]
     for i, depth in enumerate(depths):
-        buffers += [_only_tensor(depth.k, f"MTP depth {i} K"), _only_tensor(depth.v, f"MTP depth {i} V")]
+        buffers += _pair(_only_tensor(depth.k, f"MTP depth {i} K"), _only_tensor(depth.v, f"MTP depth {i} V"))
     return buffers
+
+
+def _pair(k: paddle.Tensor, v: paddle.Tensor) -> list[paddle.Tensor]:
+    return [k] if v is k else [k, v]
 
 
 def _only_tensor(tensors: Sequence[paddle.Tensor], what: str) -> paddle.Tensor:

@@ -36,6 +36,15 @@ def test_buffers_in_contract_order_each_depth_once():
     assert [id(t) for t in buffers] == [id(t) for t in expected]
 
 
+def test_a_shared_k_and_v_tensor_is_exposed_once():
+    """MLA's latent cache (one tensor per layer is both K and V) is read once, not twice."""
+    from mtpserve.model.kv_cache import KVCache
+
+    main = KVCache.allocate(2, 4, 8, 1, 6, shared_kv=True)
+    depth = KVCache.allocate(1, 4, 8, 1, 6, shared_kv=True)
+    assert [id(t) for t in kv_buffers(main, [depth])] == [id(main.k[0]), id(main.k[1]), id(depth.k[0])]
+
+
 def test_depth_with_distinct_layer_tensors_is_refused():
     main, depths = allocate(SPEC)
     other = allocate(dataclasses.replace(SPEC, layers=2))[0]
