@@ -188,3 +188,20 @@ def test_preflight_accepts_the_architecture(checkpoint):
     from mtpserve.preflight import _model_config
 
     _model_config(checkpoint[0])  # raises StartupError on an unsupported architecture
+
+
+def test_a_bfloat16_checkpoint_loads_and_matches_transformers(checkpoint, tmp_path):
+    """Released checkpoints are bf16: each tensor is widened as it is read (memory-mapped, never the
+    whole file in float32), and the float32 compute equals transformers' on the same bf16 weights."""
+    from safetensors.torch import save_file as save_torch
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_V3, "torch_dtype": "bfloat16"}))
+    save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in checkpoint[1].items()},
+               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_serving_model(tmp_path)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    texts = prompts(4, seed=8)
+    worst = max(float(np.abs(ours - hf_logits(hf, t)).max()) for ours, t in zip(paged_logits(model, texts), texts))
+    assert worst < 1e-4, worst
+    original = load_serving_model(checkpoint[0])  # the float32 original differs: the rounding is real
+    assert max(float(np.abs(a - b).max()) for a, b in zip(paged_logits(original, texts), paged_logits(model, texts))) > 1e-4
