@@ -15,7 +15,9 @@ import numpy as np
 import paddle
 from safetensors.numpy import save_file
 
+from mtpserve.model import ernie_paddle
 from mtpserve.model.deepseek_model import DeepseekV3ForCausalLM
+from mtpserve.model.ernie_paddle import TensorSource
 from mtpserve.model.ernie_model import Ernie4_5_MoeForCausalLM
 from mtpserve.model.mimo_model import MiMoForCausalLM
 from mtpserve.model.safetensors_reader import CheckpointError, SafetensorsFile, weight_files
@@ -41,7 +43,9 @@ def save_checkpoint(model: AnyModel, directory: Path, dtype: str = "float32") ->
 
 def load_weights(model: AnyModel, directory: Path) -> None:
     """Copy a checkpoint's tensors into `model`, sliced for its tensor-parallel rank."""
-    sources = _index_tensors(weight_files(directory))
+    sources: dict[str, TensorSource] = dict(_index_tensors(weight_files(directory)))
+    if isinstance(model, Ernie4_5_MoeForCausalLM) and ernie_paddle.is_paddle_release(set(sources)):
+        sources = ernie_paddle.as_hf_layout(sources, model.config)
     targets = model.state_dict()
     axes = _shard_axes(model)
     _check_names(set(targets), set(sources), model.config.tie_word_embeddings)
@@ -75,7 +79,7 @@ def _check_names(expected: set[str], present: set[str], tied: bool) -> None:
                               f"{', '.join(unexpected[:10])}")
 
 
-def _check_shapes(targets: dict, sources: dict[str, SafetensorsFile], axes: dict, tp_size: int) -> None:
+def _check_shapes(targets: dict, sources: dict[str, TensorSource], axes: dict, tp_size: int) -> None:
     for name, param in targets.items():
         want = list(param.shape)
         if axes.get(name) is not None:

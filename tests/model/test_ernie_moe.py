@@ -137,10 +137,51 @@ def test_loader_names_a_missing_mtp_tensor(checkpoint, tmp_path):
         load_serving_model(tmp_path)
 
 
-def test_loader_names_a_paddle_release_tensor_as_unexpected(checkpoint, tmp_path):
+def test_loader_names_an_unexpected_tensor(checkpoint, tmp_path):
+    tensors = {**checkpoint[1], "model.mtp_block.0.mlp.experts.0.up_proj.weight": np.zeros((24, 64), np.float32)}
+    _rewrite(tmp_path, tensors, TINY_ERNIE)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): model.mtp_block.0.mlp.experts.0.up_proj"):
+        load_serving_model(tmp_path)
+
+
+def paddle_release(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The Paddle release's layout of "-PT" tensors (the facts in daemon/model/ernie_paddle.py, applied in
+    the other direction): ernie.* names, [in, out] linears, fused [q|k|v] and [gate|up]."""
+    out: dict[str, np.ndarray] = {}
+    for name, w in tensors.items():
+        paddle_name = "ernie." + name[len("model."):] if name.startswith("model.") else name
+        if name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            continue  # fused with their q_proj / gate_proj below
+        if name.endswith("q_proj.weight"):
+            stem = name[:-len("q_proj.weight")]
+            fused = [tensors[stem + p].T for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
+            out[paddle_name.replace("q_proj", "qkv_proj")] = np.ascontiguousarray(np.concatenate(fused, axis=1))
+        elif name.endswith("gate_proj.weight"):
+            stem = name[:-len("gate_proj.weight")]
+            out[paddle_name.replace("gate_proj", "up_gate_proj")] = np.ascontiguousarray(np.concatenate(
+                [w.T, tensors[stem + "up_proj.weight"].T], axis=1))
+        elif w.ndim == 2 and not name.endswith(("embed_tokens.weight", "e_score_correction_bias")):
+            out[paddle_name] = np.ascontiguousarray(w.T)
+        else:
+            out[paddle_name] = w
+    return out
+
+
+def test_the_paddle_release_layout_loads_as_the_same_model(model, checkpoint, tmp_path):
+    tensors = paddle_release(checkpoint[1])
+    assert "ernie.mtp_linear_proj.0.weight" in tensors and tensors["ernie.mtp_linear_proj.0.weight"].shape == (128, 64)
+    assert "ernie.layers.1.mlp.experts.0.up_gate_proj.weight" in tensors and "lm_head.weight" in tensors
+    _rewrite(tmp_path, tensors, TINY_ERNIE)
+    paddle_model = load_serving_model(tmp_path)
+    assert isinstance(paddle_model, Ernie4_5_MoeForCausalLM)
+    for (name, a), b in zip(sorted(model.state_dict().items()), [v for _, v in sorted(paddle_model.state_dict().items())]):
+        assert np.array_equal(a.numpy(), b.numpy()), name
+
+
+def test_a_checkpoint_mixing_both_layouts_is_refused(checkpoint, tmp_path):
     tensors = {**checkpoint[1], "ernie.mtp_linear_proj.0.weight": np.zeros((128, 64), np.float32)}
     _rewrite(tmp_path, tensors, TINY_ERNIE)
-    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): ernie.mtp_linear_proj.0.weight"):
+    with pytest.raises(CheckpointError, match=r"mixes the Paddle .* ernie.mtp_linear_proj.0.weight"):
         load_serving_model(tmp_path)
 
 
