@@ -79,3 +79,24 @@ def test_a_row_that_sees_no_key_is_zero():
     q, kc, vc, tables, cu, lens, pos = make(9, [2], [3], 4, 2)
     pos[1] = -1  # NOTE: an over-allocated slot: no visible key, its output is ignored by the caller
     assert not run_op(q, kc, vc, tables, cu, lens, pos)[1].any()
+
+
+@pytest.mark.parametrize("dim", [64, 72])
+def test_matches_numpy_at_head_sizes_of_real_models(dim):
+    """Vector lanes of 16, and a tail past them (72)."""
+    inputs = make(dim, [5, 1, 3], [20, 33, 6], 8, 2, dim=dim)
+    np.testing.assert_allclose(run_op(*inputs), reference(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_large_call_spread_over_threads_matches_and_keeps_rows_independent():
+    """Past ~1M multiply-adds the groups run on the worker pool: same results, and a request's rows
+    are bit-identical whether it shares the call or not."""
+    new, cached = [96, 1, 3, 64], [160, 250, 90, 0]
+    inputs = make(11, new, cached, 8, 2, dim=64, num_blocks=200)
+    together = run_op(*inputs)
+    np.testing.assert_allclose(together, reference(*inputs), rtol=1e-5, atol=1e-5)
+    q, kc, vc, tables, cu, lens, pos = inputs
+    alone = run_op(q[:96], kc, vc, tables[:1], np.array([0, 96], np.int32), lens[:1], pos[:96])
+    assert alone.tobytes() == together[:96].tobytes()
+    small = run_op(q[96:97], kc, vc, tables[1:2], np.array([0, 1], np.int32), lens[1:2], pos[96:97])  # one thread
+    assert small.tobytes() == together[96:97].tobytes()
