@@ -69,7 +69,7 @@ class RouterConfig:
     instances_file: str = ""  # re-read on SIGHUP
     policy: str = "cache_aware"
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 4
+    balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
     prefix_keys: int = 1 << 16  # per instance, of 64 characters each
     metrics_interval: float = 5.0  # seconds between scrapes of each instance's /metrics

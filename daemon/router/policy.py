@@ -26,7 +26,7 @@ CACHE, BALANCE, MISS, LOAD, TURN = "cache", "balance", "miss", "load", "turn"  #
 class PolicyConfig:
     name: str = "cache_aware"
     cache_threshold: float = 0.5  # matched share of the prompt's chunks below which it is a miss
-    balance_abs: int = 4  # in-flight requests beyond the least loaded instance ...
+    balance_abs: int = 16  # in-flight requests beyond the least loaded instance ...
     balance_rel: float = 1.5  # ... and times its count, past which the cache match gives way to load
 
     def __post_init__(self) -> None:
