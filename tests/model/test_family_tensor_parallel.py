@@ -40,7 +40,11 @@ def test_sampling_at_tp2_with_mtp_keeps_the_distribution(tmp_path, family):
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "model"), str(tmp_path), str(N),
                                "--rank", str(r)], env={**os.environ, **rank_environment(parallel, r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # NOTE: a no-op for a rank that exited; a hung one must not outlive the test
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     tp2 = np.load(tmp_path / "tp2.npz")
     assert tp2["rates"][0] > 0.3, tp2["rates"]  # drafts are really accepted, not only rejected

@@ -5,6 +5,8 @@ ERNIE-4.5 MoE: KV heads split, experts split inside)."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,26 @@ def write_family(family: str, directory: Path) -> int:
     return 98
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run argv in its own process group; on timeout kill the whole group (the launcher's rank workers
+    hold its pipes, so killing the launcher alone would leave `communicate` waiting forever)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(argv, -9, out, f"timed out after {timeout} s\n{err}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize("family", ["mimo", "deepseek", "ernie"])
 def test_two_ranks_match_one_rank(tmp_path, family):
     vocab = write_family(family, tmp_path / "model")
@@ -39,9 +61,11 @@ def test_two_ranks_match_one_rank(tmp_path, family):
     single = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "model"), str(tmp_path / "tp1.npy")],
                             env=env, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stderr[-2000:]
+    # NOTE: its own job id and ports, so launches running side by side (another suite) never meet
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--job_id", tmp_path.name, "--start_port", str(free_port()),
               "--log_dir", str(tmp_path / "logs"), str(WORKER), str(tmp_path / "model"), str(tmp_path / "tp2.npy")]
-    double = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=180)
+    double = run_group(launch, env, timeout=180)
     if double.returncode != 0:
         logs = "".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").glob("*")) if p.is_file())
         pytest.fail(f"tp=2 launch failed: {double.stderr[-1500:]}\n{logs}")
