@@ -23,21 +23,21 @@ Rank processes only (imports paddle). Files, along the path of one step:
 
 Serving interface (the engine builds against exactly this):
 
-    model = load_model(model_dir)                                  # MiMoForCausalLM, eval mode
-    kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                          cfg.head_dim)
-    mtp_kv = KVCache.allocate(cfg.num_nextn_predict_layers, num_blocks, block_size, ...)
+    model = load_serving_model(model_dir)                          # the family's class, eval mode
+    kv = model.allocate_kv(cfg.num_hidden_layers, num_blocks, block_size)   # this rank's share
+    mtp_kv = model.allocate_kv(model.num_mtp_layers, num_blocks, block_size)
     out = model.forward(batch: ForwardBatch, kv) -> ModelOutput(hidden_states [T, H], mtp_hidden [T, H])
     logits = model.compute_logits(out.hidden_states[rows])        # [N, V] float32
     d = model.mtp_forward(i, batch, token_ids_shifted [T], prev_hidden [T, H], mtp_kv)
         -> MTPOutput(hidden_states [T, H], mtp_hidden [T, H])
-    draft_ids = model.draft_token_ids(d.hidden_states[rows])       # [N] int64 full-vocabulary ids
+    draft_ids = model.draft_token_ids(d.hidden_states[rows], i)    # [N] int64 full-vocabulary ids
 
 Semantics and deviations from the first sketch of this interface:
   * ModelOutput.hidden_states is after the final norm (feed compute_logits); ModelOutput.mtp_hidden is
-    before it (MiMo and DeepSeek-V3 feed the pre-norm state to the first MTP layer). MTPOutput has the
-    same two fields: hidden_states after the layer's final_layernorm (for logits), mtp_hidden before it
-    (the prev_hidden of the next depth).
+    what the first MTP depth reads: before the norm for MiMo, after it for DeepSeek-V3 and ERNIE (each
+    config's `mtp_hidden_after_norm`, docs/models.md). MTPOutput has the same two fields: hidden_states
+    ready for the depth's head (after MiMo's final_layernorm, DeepSeek's shared_head.norm, ERNIE's
+    model.norm), mtp_hidden the prev_hidden of the next depth.
   * MTP depth i+1 at position t reads token t+i+1 (`token_ids_shifted`) and depth i's mtp_hidden at t,
     and predicts token t+i+2. It runs at the same positions and slots as the main model, so `batch`
     is reused; its KV goes to layer `i % num_mtp_layers` of `mtp_kv` (same block ids as the main
