@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 print(format_median(r), flush=True)
         if args.model_equality_prompts:
             from mtpserve.bench.engine_equality import equality_report
-            from mtpserve.model.loader import load_model
+            from mtpserve.model.loader import load_serving_model
 
-            report["greedy_equality"] = equality_report(load_model(args.model), args.model,
+            report["greedy_equality"] = equality_report(load_serving_model(args.model), args.model,
                                                         [k for k in args.model_k if k],
                                                         args.model_equality_prompts, 32)
     args.out.write_text(json.dumps(report, indent=2))

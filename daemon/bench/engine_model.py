@@ -94,9 +94,9 @@ def _decode_window(core: EngineCore, batch: int) -> tuple[float, int]:
 
 def run_model_bench(model_dir: Path, batches: list[int], ks: list[int], prompt_len: int,
                     max_tokens: int, rounds: int) -> list[dict]:
-    from mtpserve.model.loader import load_model
+    from mtpserve.model.loader import load_serving_model
 
-    model = load_model(model_dir)
+    model = load_serving_model(model_dir)
     results = []
     for batch in batches:
         for k in ks:

@@ -81,10 +81,10 @@ def _free_port() -> int:
 
 def worker(spec: dict, rank: int, size: int) -> dict | None:
     from mtpserve.engine.tp_group import join_group
-    from mtpserve.model.loader import load_model
+    from mtpserve.model.loader import load_serving_model
 
     tp = TimedTP.of(join_group(rank, size))
-    model = load_model(spec["model"], tp)
+    model = load_serving_model(spec["model"], tp)
     if rank > 0:
         return _follow(model, tp, spec)
     return _lead(model, tp, spec)
