@@ -28,6 +28,7 @@ import paddle
 from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext
+from mtpserve.model.decoder_layer import FusedColumns
 from mtpserve.model.deepseek_config import DeepseekV3Config
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import (SINGLE, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
@@ -60,15 +61,20 @@ class MLAttention(nn.Layer):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False, tp)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, False, tp)
+        # NOTE: the query up-projection's serving copy ([in, out], and CPU panels), like q/k/v's in Qwen2
+        self.q_up = FusedColumns([self.q_proj if config.q_lora_rank is None else self.q_b_proj])
         self.absorbed: tuple[paddle.Tensor, paddle.Tensor] | None = None
 
     def freeze(self) -> None:
-        """Eval mode: keep W_UK [h, nope, r] and W_UV^T [h, r, v] for this rank's heads."""
+        """Eval mode: keep W_UK [h, nope, r] and W_UV^T [h, r, v] for this rank's heads, and the query
+        up-projection's serving copy."""
         with paddle.no_grad():
             self.absorbed = self._absorbed()
+        self.q_up.freeze()
 
     def thaw(self) -> None:
         self.absorbed = None
+        self.q_up.thaw()
 
     def _absorbed(self) -> tuple[paddle.Tensor, paddle.Tensor]:
         w = self.kv_b_proj.weight.reshape([self.num_heads, self.nope + self.v_dim, self.rank])
@@ -94,8 +100,8 @@ class MLAttention(nn.Layer):
 
     def _queries(self, x: paddle.Tensor) -> paddle.Tensor:
         if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return self.q_up(x)
+        return self.q_up(self.q_a_layernorm(self.q_a_proj(x)))
 
     def _pairs_to_halves(self, x: paddle.Tensor) -> paddle.Tensor:
         """[T, n, rope] interleaved pairs -> evens then odds (a no-op without rope_interleave)."""
