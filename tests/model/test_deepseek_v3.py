@@ -205,3 +205,23 @@ def test_a_bfloat16_checkpoint_loads_and_matches_transformers(checkpoint, tmp_pa
     assert worst < 1e-4, worst
     original = load_serving_model(checkpoint[0])  # the float32 original differs: the rounding is real
     assert max(float(np.abs(a - b).max()) for a, b in zip(paged_logits(original, texts), paged_logits(model, texts))) > 1e-4
+
+
+def test_the_real_models_mla_widths_through_the_paged_kernel(tmp_path):
+    """DeepSeek-V3's own latent widths (kv_lora_rank 512 + rope 64 = 576-wide cache rows, nope 128, v 128):
+    two-chunk paged logits through the CPU kernel equal one dense causal pass."""
+    from mtpserve.model.attention_context import paged_op_serves
+
+    config = {**TINY_V3, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+              "q_lora_rank": 96}
+    write_checkpoint(tmp_path, config)
+    model = load_serving_model(tmp_path)
+    kv = model.allocate_kv(config["num_hidden_layers"], 4, 8)
+    assert list(kv.k[0].shape) == [40, 1, 576] and kv.v[0] is kv.k[0]
+    assert paged_op_serves(kv)  # the in-place kernel, not the Paddle-op fallback
+    texts = prompts(3, seed=1)
+    for tokens, paged in zip(texts, paged_logits(model, texts)):
+        n = len(tokens)
+        out = model.run(paddle.to_tensor(np.array(tokens, np.int64)), paddle.arange(n, dtype="int64"),
+                        DenseCausalContext(1, n))
+        assert np.abs(model.compute_logits(out.hidden_states).numpy() - paged).max() < 1e-4
