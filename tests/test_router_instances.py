@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def test_a_killed_instance_ends_its_streams_in_band_and_new_requests_go_to_the_o
         thread.start()
     victim = daemons[0]
     assert wait_until(lambda: _in_flight(url)[0] > 0, 30)
+    time.sleep(1.0)  # NOTE: its streams are under way (400 tokens take seconds); one not yet answered is retried
     for pid in [victim.proc.pid, *victim.children]:
         os.kill(pid, signal.SIGKILL)
     for thread in threads:

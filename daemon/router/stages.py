@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from mtpserve.router.backends import MIXED, Backend, BackendPool, Reservation
-from mtpserve.router.failover import first_answer
+from mtpserve.router.failover import RETRYABLE, RETRYABLE_MIXED, first_answer
 from mtpserve.router.failures import BackendFailure, BackendRejected
 from mtpserve.router.metrics import RouterMetrics
 from mtpserve.router.upstream import Upstream
@@ -43,8 +43,9 @@ class Stages:
         """`post` to the held backend, failing over to another of its role when it cannot take the
         request (failover.py); `held` ends on the backend that answered."""
         pool = self._pools[held.backend.role]
+        retryable = RETRYABLE_MIXED if pool.role == MIXED else RETRYABLE
         async with first_answer(pool, held, lambda backend: self.post(backend, stream, kv),
-                                self._metrics.failovers.labels(pool.role).inc) as response:
+                                self._metrics.failovers.labels(pool.role).inc, retryable) as response:
             yield response
 
     @contextlib.asynccontextmanager

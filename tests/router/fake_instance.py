@@ -7,7 +7,7 @@ Roles: `mixed` answers the whole request (the reference a PD answer must equal),
 `max_tokens` tokens ` w<seed % 1000 + i>`, token i with logprob -(i + 1) / 10.
 
 Knobs set by tests: `health_status`, `reject` (400 to every generation), `crash` (500), `unavailable`
-(503, as a draining instance answers), `die_after`
+(503, as a draining instance answers), `die_before_answer` (the connection reset first), `die_after`
 (events sent before the transport is aborted), `hang_after` (events before it stops sending), `end_after` (events before
 the body ends cleanly), `event_delay` (seconds before each group of events),
 `no_kv` (the first token ends the request).
@@ -42,6 +42,7 @@ class FakeInstance:
         self.health_status = 200
         self.reject = self.crash = self.unavailable = self.no_kv = False
         self.die_after: int | None = None
+        self.die_before_answer = False  # the connection is reset before any byte of the answer
         self.hang_after: int | None = None
         self.end_after: int | None = None
         self.event_delay = 0.0
@@ -78,6 +79,11 @@ class FakeInstance:
         if self.reject or (stage == "decode" and "kv_transfer_params" not in body):
             return web.json_response({"error": {"message": "bad request from fake", "type": "invalid_request_error",
                                                 "param": "prompt", "code": None}}, status=400)
+        if self.die_before_answer:
+            transport = request.transport
+            assert transport is not None
+            transport.abort()
+            return web.Response()
         if self.crash:
             return web.Response(status=500, text="boom")
         if self.unavailable:

@@ -126,6 +126,26 @@ async def test_an_instance_dying_mid_run_ends_its_streams_in_band_and_the_rest_c
             await router.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_instance_dying_before_it_answers_is_replaced(stream):
+    """Nothing reached the client and the request died with the instance: another one runs it whole."""
+    async with mixed_fakes(2) as fakes:
+        router = await mixed_router(fakes, policy="round_robin", health_interval=60.0)
+        try:
+            fakes[0].die_before_answer = True
+            for i in range(4):
+                resp = await router.post("/v1/completions", json={**BODY, "prompt": f"p{i}", "stream": stream})
+                assert resp.status == 200, await resp.text()
+                if stream:
+                    events = sse_events(await resp.read())
+                    assert events[-1] == DONE and not any(isinstance(e, dict) and "error" in e for e in events)
+                else:
+                    assert (await resp.json())["usage"]["completion_tokens"] == BODY["max_tokens"]
+            assert len(fakes[1].seen) == 4
+        finally:
+            await router.close()
+
+
 async def test_instances_added_and_removed_at_run_time():
     async with mixed_fakes(2) as (first, second):
         router = await mixed_router([first], policy="round_robin")
