@@ -27,6 +27,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -71,6 +72,26 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   for (; i < d; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// exp(x) for x <= 0 in plain arithmetic, so a loop of it vectorises (std::exp is a libm call per
+// element): Cephes' expf, x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, times 2^n
+// built in the exponent bits; relative error about 1e-7. Below -87 it returns ~1e-38 instead of less.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 // Workers for the groups of one call; the calling thread works too. Threads sleep between calls.
@@ -176,11 +197,9 @@ void AttendGroup(const float* q, float* out, const int64_t* positions, int64_t n
     const int64_t n = seen[r / group];
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+    for (int64_t j = 0; j < n; ++j) s[j] = ExpNonPositive(s[j] - m);
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = std::exp(s[j] - m);
-      sum += s[j];
-    }
+    for (int64_t j = 0; j < n; ++j) sum += s[j];
     const float inv = n > 0 ? 1.0f / sum : 0.0f;
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
