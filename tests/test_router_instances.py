@@ -71,7 +71,7 @@ def test_a_killed_instance_ends_its_streams_in_band_and_new_requests_go_to_the_o
     results: list[str] = []
 
     def stream(i: int) -> None:
-        body = {"model": "m", "prompt": f"# task {i}\ndef work():\n", "max_tokens": 400, "temperature": 0,
+        body = {"model": "m", "prompt": f"# task {i}\ndef work():\n", "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                          {"content-type": "application/json"})
@@ -83,7 +83,7 @@ def test_a_killed_instance_ends_its_streams_in_band_and_new_requests_go_to_the_o
         thread.start()
     victim = daemons[0]
     assert wait_until(lambda: _in_flight(url)[0] > 0, 30)
-    time.sleep(1.0)  # NOTE: its streams are under way (400 tokens take seconds); one not yet answered is retried
+    time.sleep(1.0)  # NOTE: its streams are under way (3000 tokens take seconds); one not yet answered is retried
     for pid in [victim.proc.pid, *victim.children]:
         os.kill(pid, signal.SIGKILL)
     for thread in threads:
