@@ -9,6 +9,8 @@ v slices); in training it is rebuilt every forward so gradients reach the separa
 
 from __future__ import annotations
 
+from typing import Self
+
 import paddle
 from paddle import nn
 
@@ -136,3 +138,31 @@ def serving_weights(layer: nn.Layer) -> list:
         elif hasattr(sub, "freeze"):
             found.append(sub)
     return found
+
+
+class ServingModelLayer(nn.Layer):
+    """A model class whose eval mode serves from weight copies built when it enters it (fused q/k/v and
+    gate/up, every projection transposed to [in, out]): call `eval()` again (or `train()`) after changing
+    any weight. The families' model classes share it."""
+
+    def eval(self) -> Self:
+        super().eval()
+        for group in self._serving_weights():
+            group.freeze()
+        return self
+
+    def train(self, mode: bool = True) -> Self:
+        if not mode:
+            return self.eval()
+        super().train()
+        for group in self._serving_weights():
+            group.thaw()
+        return self
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """A restricted draft vocabulary; only families that support one override this."""
+        if token_ids is not None:
+            raise ValueError(f"draft_vocab.json is not supported for {type(self).__name__}")
+
+    def _serving_weights(self) -> list:
+        return serving_weights(self)

@@ -24,7 +24,7 @@ import paddle
 from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
-from mtpserve.model.decoder_layer import MLP, serving_weights
+from mtpserve.model.decoder_layer import MLP, ServingModelLayer
 from mtpserve.model.deepseek_config import DeepseekV3Config
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -96,7 +96,7 @@ class DeepseekV3Body(nn.Layer):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(nn.Layer):
+class DeepseekV3ForCausalLM(ServingModelLayer):
     """The serving interface of model/__init__.py, as MiMoForCausalLM; see docs/models.md."""
 
     def __init__(self, config: DeepseekV3Config, tp: TensorParallel = SINGLE):
@@ -118,23 +118,8 @@ class DeepseekV3ForCausalLM(nn.Layer):
         assert isinstance(layer, DeepseekMTPLayer)
         return layer
 
-    def eval(self) -> DeepseekV3ForCausalLM:
-        super().eval()
-        for group in serving_weights(self):
-            group.freeze()
-        return self
 
-    def train(self, mode: bool = True) -> DeepseekV3ForCausalLM:
-        if not mode:
-            return self.eval()
-        super().train()
-        for group in serving_weights(self):
-            group.thaw()
-        return self
 
-    def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
-        if token_ids is not None:
-            raise ValueError(f"draft_vocab.json is not supported for {self.config.architecture}")
 
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int, dtype: str = "float32") -> KVCache:
         """The latent cache: one [r + rope] row per token and layer, both K and V (model/mla.py). Every

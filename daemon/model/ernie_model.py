@@ -25,7 +25,7 @@ import paddle
 from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
-from mtpserve.model.decoder_layer import MLP, Attention, serving_weights
+from mtpserve.model.decoder_layer import MLP, Attention, ServingModelLayer
 from mtpserve.model.ernie_config import ErnieMoeConfig
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -109,7 +109,7 @@ class ErnieBody(nn.Layer):
         self.mtp_block = nn.LayerList([ErnieDecoderLayer(config, 0, tp) for _ in range(n)])
 
 
-class Ernie4_5_MoeForCausalLM(nn.Layer):
+class Ernie4_5_MoeForCausalLM(ServingModelLayer):
     """The serving interface of model/__init__.py, as MiMoForCausalLM; see docs/models.md."""
 
     def __init__(self, config: ErnieMoeConfig, tp: TensorParallel = SINGLE):
@@ -126,23 +126,8 @@ class Ernie4_5_MoeForCausalLM(nn.Layer):
     def num_mtp_layers(self) -> int:
         return self.config.num_nextn_predict_layers
 
-    def eval(self) -> Ernie4_5_MoeForCausalLM:
-        super().eval()
-        for group in serving_weights(self):
-            group.freeze()
-        return self
 
-    def train(self, mode: bool = True) -> Ernie4_5_MoeForCausalLM:
-        if not mode:
-            return self.eval()
-        super().train()
-        for group in serving_weights(self):
-            group.thaw()
-        return self
 
-    def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
-        if token_ids is not None:
-            raise ValueError(f"draft_vocab.json is not supported for {self.config.architecture}")
 
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int, dtype: str = "float32") -> KVCache:
         """K and V per layer for this rank's KV heads."""

@@ -14,7 +14,7 @@ from paddle import nn
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
 from mtpserve.model.config import ModelConfig
-from mtpserve.model.decoder_layer import DecoderLayer, serving_weights
+from mtpserve.model.decoder_layer import DecoderLayer, ServingModelLayer, serving_weights
 from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -46,7 +46,7 @@ class MiMoBody(nn.Layer):
                                         for _ in range(config.num_nextn_predict_layers)])
 
 
-class MiMoForCausalLM(nn.Layer):
+class MiMoForCausalLM(ServingModelLayer):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
@@ -57,21 +57,7 @@ class MiMoForCausalLM(nn.Layer):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.draft_head: DraftHead | None = None  # None: drafts use the full vocabulary
 
-    def eval(self) -> MiMoForCausalLM:
-        """Eval mode, serving from weight copies built now (fused q/k/v and gate/up, every projection
-        transposed to [in, out]): call it again (or `train()`) after changing any weight."""
-        super().eval()
-        for group in self._serving_weights():
-            group.freeze()
-        return self
 
-    def train(self, mode: bool = True) -> MiMoForCausalLM:
-        if not mode:
-            return self.eval()
-        super().train()
-        for group in self._serving_weights():
-            group.thaw()
-        return self
 
     def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
         """Restrict MTP drafts to these full-vocabulary ids [N] (None: the full vocabulary). Output
