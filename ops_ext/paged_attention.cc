@@ -35,18 +35,11 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "paged_attention.h"
 
 namespace {
 
-struct Cache {
-  const float* k;
-  const float* v;
-  int64_t rows;      // S
-  int64_t kv_heads;  // KVH
-  int64_t dim;       // D
-  int64_t block_size;
-  int64_t scratch_block;  // the last block: what entries < 0 read
-};
+using mtp::Cache;
 
 // The cache row of key j of a request whose block table row is `table` (M entries).
 inline int64_t KeyRow(const int32_t* table, int64_t j, const Cache& c) {
@@ -168,8 +161,8 @@ constexpr double kParallelWork = 1 << 20;
 
 // One request and one KV head: the `group` query heads of its `nq` tokens.
 MTP_VECTOR_CLONES
-void AttendGroup(const float* q, float* out, const int64_t* positions, int64_t nq, int64_t heads,
-                 int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c,
+void AttendGroup(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* positions,
+                 int64_t nq, int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c,
                  std::vector<float>& scores) {
   const int64_t d = c.dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -183,7 +176,7 @@ void AttendGroup(const float* q, float* out, const int64_t* positions, int64_t n
     for (int64_t t = 0; t < nq; ++t) {
       if (j > positions[t]) continue;
       for (int64_t g = 0; g < group; ++g) {
-        const float* qr = q + (t * heads + kvh * group + g) * d;
+        const float* qr = q + t * q_stride + (kvh * group + g) * d;
         scores[(t * group + g) * max_seen + j] = Dot(qr, kj, d) * scale;
       }
     }
@@ -214,66 +207,90 @@ void AttendGroup(const float* q, float* out, const int64_t* positions, int64_t n
   }
   for (int64_t t = 0; t < nq; ++t)
     for (int64_t g = 0; g < group; ++g)
-      std::copy_n(acc.data() + (t * group + g) * d, d, out + (t * heads + kvh * group + g) * d);
+      std::copy_n(acc.data() + (t * group + g) * d, d, out + t * out_stride + (kvh * group + g) * d);
 }
 
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
-                                           const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
-                                           const paddle::Tensor& positions, int block_size) {
-  PD_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "mtp_paged_attention runs on CPU tensors");
-  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
-               v_cache.dtype() == paddle::DataType::FLOAT32, "mtp_paged_attention takes float32");
-  PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && cu_seqlens_q.dtype() == paddle::DataType::INT32 &&
-               seq_lens_kv.dtype() == paddle::DataType::INT32, "tables and lengths are int32");
-  PD_CHECK(positions.dtype() == paddle::DataType::INT64, "positions are int64");
-  PD_CHECK(q.shape().size() == 3 && k_cache.shape().size() == 3 && block_tables.shape().size() == 2,
-           "q [T, H, D], caches [S, KVH, D], block_tables [B, M]");
-  const int64_t tokens = q.shape()[0], heads = q.shape()[1], dim = q.shape()[2];
-  const int64_t kv_heads = k_cache.shape()[1];
-  PD_CHECK(k_cache.shape()[2] == dim && v_cache.shape() == k_cache.shape(), "cache rows must be [KVH, D]");
-  PD_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  const int64_t num_seqs = block_tables.shape()[0], max_blocks = block_tables.shape()[1];
-  PD_CHECK(cu_seqlens_q.numel() == num_seqs + 1 && seq_lens_kv.numel() == num_seqs, "one entry per request");
-  PD_CHECK(positions.numel() == tokens, "one position per token");
-  PD_CHECK(block_size > 0 && k_cache.shape()[0] % block_size == 0 && k_cache.shape()[0] >= block_size,
-           "the cache must hold whole blocks, the last one the scratch block");
-  const Cache c{k_cache.data<float>(), v_cache.data<float>(), k_cache.shape()[0], kv_heads, dim, block_size,
-                k_cache.shape()[0] / block_size - 1};
-  const paddle::Tensor qc = q.is_contiguous() ? q : q.contiguous();
-  const int32_t* tables = block_tables.data<int32_t>();
-  for (int64_t i = 0; i < block_tables.numel(); ++i)
-    PD_CHECK(tables[i] <= c.scratch_block, "a block table entry is outside the cache");
-  const int32_t* cu = cu_seqlens_q.data<int32_t>();
-  const int32_t* lens = seq_lens_kv.data<int32_t>();
-  const int64_t* pos = positions.data<int64_t>();
-  paddle::Tensor out = paddle::empty({tokens, heads, dim}, paddle::DataType::FLOAT32, q.place());
-  std::fill_n(out.data<float>(), out.numel(), 0.0f);
-  const int64_t group = heads / kv_heads;
+}  // namespace
+
+void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
+  const int64_t dim = c.dim, kv_heads = c.kv_heads, group = a.heads / kv_heads;
+  for (int64_t t = 0; t < a.tokens; ++t) std::fill_n(a.out + t * a.out_stride, a.heads * dim, 0.0f);
   double work = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t first = cu[b], nq = cu[b + 1] - cu[b];
-    PD_CHECK(first >= 0 && nq >= 0 && first + nq <= tokens, "cu_seqlens_q out of range");
-    work += static_cast<double>(nq) * std::min<int64_t>(lens[b], max_blocks * block_size);
-  }
-  work *= 2.0 * heads * dim;
-  const float* qd = qc.data<float>();
-  float* od = out.data<float>();
+  for (int64_t b = 0; b < a.num_seqs; ++b)
+    work += static_cast<double>(a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b]) *
+            std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size);
+  work *= 2.0 * a.heads * dim;
   auto attend = [&](int64_t item) {
     thread_local std::vector<float> scores;
     const int64_t b = item / kv_heads, kvh = item % kv_heads;
-    const int64_t first = cu[b], nq = cu[b + 1] - cu[b];
+    const int64_t first = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - first;
     if (nq == 0) return;
-    const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(lens[b], max_blocks * block_size));
-    AttendGroup(qd + first * heads * dim, od + first * heads * dim, pos + first, nq, heads, group, kvh,
-                tables + b * max_blocks, num_keys, c, scores);
+    const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size));
+    AttendGroup(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride, a.out_stride,
+                a.positions + first, nq, group, kvh, a.block_tables + b * a.max_blocks, num_keys, c, scores);
   };
-  const int64_t items = num_seqs * kv_heads;
+  const int64_t items = a.num_seqs * kv_heads;
   if (work < kParallelWork) {
     for (int64_t item = 0; item < items; ++item) attend(item);
   } else {
     Pool::Get().Run(items, attend);
   }
+}
+
+mtp::Cache mtp::CheckedCache(const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, int64_t heads,
+                             int block_size) {
+  PD_CHECK(k_cache.is_cpu() && v_cache.is_cpu(), "the KV cache must be on the CPU");
+  PD_CHECK(k_cache.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == paddle::DataType::FLOAT32,
+           "the KV cache must be float32");
+  PD_CHECK(k_cache.shape().size() == 3 && v_cache.shape() == k_cache.shape(), "caches must be [S, KVH, D], K and V alike");
+  PD_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t kv_heads = k_cache.shape()[1];
+  PD_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  PD_CHECK(block_size > 0 && k_cache.shape()[0] % block_size == 0 && k_cache.shape()[0] >= block_size,
+           "the cache must hold whole blocks, the last one the scratch block");
+  return {k_cache.data<float>(), v_cache.data<float>(), k_cache.shape()[0], kv_heads, k_cache.shape()[2],
+          block_size, k_cache.shape()[0] / block_size - 1};
+}
+
+mtp::AttentionBatch mtp::CheckedBatch(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                                      int64_t tokens, int64_t heads, const paddle::Tensor& k_cache,
+                                      const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
+                                      const paddle::Tensor& seq_lens_kv, const paddle::Tensor& positions,
+                                      int block_size) {
+  PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && cu_seqlens_q.dtype() == paddle::DataType::INT32 &&
+               seq_lens_kv.dtype() == paddle::DataType::INT32, "tables and lengths are int32");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64, "positions are int64");
+  PD_CHECK(block_tables.shape().size() == 2, "block_tables must be [B, M]");
+  const int64_t num_seqs = block_tables.shape()[0], max_blocks = block_tables.shape()[1];
+  PD_CHECK(cu_seqlens_q.numel() == num_seqs + 1 && seq_lens_kv.numel() == num_seqs, "one entry per request");
+  PD_CHECK(positions.numel() == tokens, "one position per token");
+  const int64_t scratch_block = k_cache.shape()[0] / block_size - 1;
+  const int32_t* tables = block_tables.data<int32_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    PD_CHECK(tables[i] <= scratch_block, "a block table entry is outside the cache");
+  const int32_t* cu = cu_seqlens_q.data<int32_t>();
+  for (int64_t b = 0; b < num_seqs; ++b)
+    PD_CHECK(cu[b] >= 0 && cu[b] <= cu[b + 1] && cu[b + 1] <= tokens, "cu_seqlens_q out of range");
+  return {q, q_stride, out, out_stride, tokens, heads, tables, num_seqs, max_blocks, cu,
+          seq_lens_kv.data<int32_t>(), positions.data<int64_t>()};
+}
+
+namespace {
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
+                                           const paddle::Tensor& positions, int block_size) {
+  PD_CHECK(q.is_cpu() && q.dtype() == paddle::DataType::FLOAT32, "mtp_paged_attention takes float32 CPU tensors");
+  PD_CHECK(q.shape().size() == 3, "q must be [T, H, D]");
+  const int64_t tokens = q.shape()[0], heads = q.shape()[1], dim = q.shape()[2];
+  const mtp::Cache cache = mtp::CheckedCache(k_cache, v_cache, heads, block_size);
+  PD_CHECK(cache.dim == dim, "cache rows must be [KVH, D]");
+  const paddle::Tensor qc = q.is_contiguous() ? q : q.contiguous();
+  paddle::Tensor out = paddle::empty({tokens, heads, dim}, paddle::DataType::FLOAT32, q.place());
+  mtp::PagedAttend(mtp::CheckedBatch(qc.data<float>(), heads * dim, out.data<float>(), heads * dim, tokens, heads,
+                                     k_cache, block_tables, cu_seqlens_q, seq_lens_kv, positions, block_size),
+                   cache);
   return {out};
 }
 

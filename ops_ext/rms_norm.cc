@@ -11,10 +11,9 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "rms_norm.h"
 
-namespace {
-
-void NormRows(const float* x, const float* w, float* y, int64_t rows, int64_t h, float eps) {
+void mtp::RmsNormRows(const float* x, const float* w, float* y, int64_t rows, int64_t h, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * h;
     float* yr = y + r * h;
@@ -25,6 +24,8 @@ void NormRows(const float* x, const float* w, float* y, int64_t rows, int64_t h,
   }
 }
 
+namespace {
+
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight, float eps) {
   PD_CHECK(x.is_cpu() && weight.is_cpu(), "mtp_rms_norm runs on CPU tensors");
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && weight.dtype() == paddle::DataType::FLOAT32,
@@ -34,7 +35,7 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tenso
   const int64_t h = shape.back();
   const paddle::Tensor xc = x.is_contiguous() ? x : x.contiguous();
   paddle::Tensor y = paddle::empty(shape, paddle::DataType::FLOAT32, x.place());
-  NormRows(xc.data<float>(), weight.data<float>(), y.data<float>(), h ? x.numel() / h : 0, h, eps);
+  mtp::RmsNormRows(xc.data<float>(), weight.data<float>(), y.data<float>(), h ? x.numel() / h : 0, h, eps);
   return {y};
 }
 

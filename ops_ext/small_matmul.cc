@@ -23,10 +23,11 @@
 #endif
 
 #include "paddle/extension.h"
+#include "small_matmul.h"
 
 namespace {
 
-constexpr int kPanel = 32;  // output columns per panel: four 8-float AVX registers
+constexpr int kPanel = mtp::kPanelColumns;  // output columns per panel: four 8-float AVX registers
 constexpr int kRowTile = 3;  // rows sharing each weight load: 12 accumulators + 1 input register
 constexpr int kPrefetchRows = 16;  // panel rows (of 128 bytes) read ahead of the FMA loop
 
@@ -105,6 +106,15 @@ void Multiply(const Operands& op, int64_t m) {
     if (m - row == 1) Tile<1>(avx2, op, row, col);
   }
 }
+
+}  // namespace
+
+void mtp::PanelMatmul(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, const float* bias,
+                      float* y) {
+  Multiply({x, panels, bias, y, k, n}, m);
+}
+
+namespace {
 
 std::vector<paddle::Tensor> SmallMatmul(const paddle::Tensor& x, const paddle::Tensor& panels,
                                         const paddle::optional<paddle::Tensor>& bias) {

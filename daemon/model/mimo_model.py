@@ -17,6 +17,7 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import DecoderLayer, ServingModelLayer, serving_weights
 from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
+from mtpserve.model.fused_layer import FusedBlocks
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model.norm import RMSNorm
@@ -122,10 +123,18 @@ class MiMoForCausalLM(ServingModelLayer):
 
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
         """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""
-        cos_sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, ctx, i)
+        first = self.model.layers[0]
+        assert isinstance(first, DecoderLayer)
+        fused = FusedBlocks.of(ctx, self.rotary, first, self.tp.size)
+        if fused is not None:  # NOTE: a CPU host: one op per block (model/fused_layer.py)
+            for i, layer in enumerate(self.model.layers):
+                assert isinstance(layer, DecoderLayer)
+                x = fused.block(layer, x, i)
+        else:
+            cos_sin = self.rotary.cos_sin(positions)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos_sin, ctx, i)
         normed = self.model.norm(x)
         return ModelOutput(hidden_states=normed, mtp_hidden=normed if self.config.mtp_hidden_after_norm else x)
 
@@ -136,10 +145,16 @@ class MiMoForCausalLM(ServingModelLayer):
         them alone (the last drafting depth needs one row per request; KV is written for all T)."""
         layer_index = index % self.num_mtp_layers
         layer = self.model.mtp_layers[layer_index]
+        assert isinstance(layer, MTPLayer)
         kv_index = layer_index if kv_layer is None else kv_layer
         keep = (positions != 0).astype(prev_hidden.dtype).unsqueeze(-1) if self.config.mtp_zero_position_zero else None
-        x = layer(token_ids, self.model.embed_tokens, prev_hidden, self.rotary.cos_sin(positions), ctx,
-                  kv_index, out_rows, keep)
+        fused = FusedBlocks.of(ctx, self.rotary, layer, self.tp.size)
+        if fused is not None:
+            x = fused.block(layer, layer.project_inputs(token_ids, self.model.embed_tokens, prev_hidden, keep),
+                            kv_index, out_rows)
+        else:
+            x = layer(token_ids, self.model.embed_tokens, prev_hidden, self.rotary.cos_sin(positions), ctx,
+                      kv_index, out_rows, keep)
         return MTPOutput(hidden_states=layer.final_layernorm(x), mtp_hidden=x)
 
 

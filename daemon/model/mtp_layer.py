@@ -70,13 +70,13 @@ class MTPLayer(nn.Layer):
         but the MLP runs on the N rows only. keep_token: [T, 1], 0 where the token embedding is zeroed
         (position 0 under `mtp_zero_position_zero`).
         """
-        x = self._project_inputs(token_ids, embedding, prev_hidden, keep_token)  # [T, H]
+        x = self.project_inputs(token_ids, embedding, prev_hidden, keep_token)  # [T, H]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx, layer)
         if out_rows is not None:
             x = paddle.gather(x, out_rows)  # [N, H]
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _project_inputs(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding,
+    def project_inputs(self, token_ids: paddle.Tensor, embedding: VocabParallelEmbedding,
                         prev_hidden: paddle.Tensor, keep_token: paddle.Tensor | None) -> paddle.Tensor:
         """input_proj(concat[hidden_layernorm(prev_hidden), token_layernorm(embed(token_ids))]) -> [T, H].
 

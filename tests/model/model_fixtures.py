@@ -17,6 +17,9 @@ TINY: dict[str, Any] = dict(vocab_size=97, hidden_size=48, intermediate_size=80,
             num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
             num_nextn_predict_layers=2, architecture="MiMoForCausalLM",
             mtp_zero_position_zero=False)  # NOTE: the bundled model's convention (test_mimo_conventions.py: the other)
+# NOTE: TINY's widths are not whole 32-column panels, so it runs the Paddle-op blocks; PACKED's are, and
+# on CPU hosts it runs each block as one op (model/fused_layer.py).
+PACKED: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
 
 def randomize(model: MiMoForCausalLM, seed: int) -> None:

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import pytest
 
-from model_fixtures import Window, make_model, pack, weights_of
+from model_fixtures import PACKED, Window, make_model, pack, weights_of
 from mtpserve.model.attention_context import DenseCausalContext, PagedContext
 from mtpserve.model.kv_cache import KVCache
 from numpy_reference import Reference
 
 BLOCK = 4
 MAX_BLOCKS = 8
+
+
+@pytest.fixture(params=["tiny", "packed"])
+def shape(request) -> dict:
+    """Both block paths must match NumPy: TINY's Paddle ops and PACKED's fused op."""
+    return PACKED if request.param == "packed" else {}
 
 
 def assert_close(actual, expected, rel: float = 1e-4) -> None:
@@ -37,8 +44,8 @@ def logits_of(model, batch, kv) -> np.ndarray:
     return model.compute_logits(model.forward(batch, kv).hidden_states).numpy()
 
 
-def test_prefill_main_and_mtp_logits_match_numpy():
-    model = make_model(seed=1)
+def test_prefill_main_and_mtp_logits_match_numpy(shape):
+    model = make_model(seed=1, **shape)
     ref = Reference(weights_of(model), model.config)
     ids = np.random.default_rng(0).integers(0, 97, 13)
     kv, mtp_kv = caches(model)
@@ -54,8 +61,8 @@ def test_prefill_main_and_mtp_logits_match_numpy():
     assert_close(model.compute_logits(d2.hidden_states).numpy(), ref.mtp(1, ids[2:], ref_h1)[0])
 
 
-def test_untied_head_matches_numpy():
-    model = make_model(seed=2, tie_word_embeddings=False, num_nextn_predict_layers=0)
+def test_untied_head_matches_numpy(shape):
+    model = make_model(seed=2, **shape, tie_word_embeddings=False, num_nextn_predict_layers=0)
     assert "lm_head.weight" in model.state_dict()
     ids = np.arange(9) * 7 % 97
     kv, _ = caches(model)
@@ -63,9 +70,9 @@ def test_untied_head_matches_numpy():
     assert_close(got, Reference(weights_of(model), model.config).main(ids)[0])
 
 
-def test_mixed_batch_of_prefill_chunk_decode_and_verify_matches_numpy():
+def test_mixed_batch_of_prefill_chunk_decode_and_verify_matches_numpy(shape):
     """One call carrying a second prefill chunk, a single decode token and a k+1 verify window."""
-    model = make_model(seed=3)
+    model = make_model(seed=3, **shape)
     ref = Reference(weights_of(model), model.config)
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 97, n) for n in (14, 9, 11)]
@@ -81,8 +88,8 @@ def test_mixed_batch_of_prefill_chunk_decode_and_verify_matches_numpy():
     assert_close(got, expected)
 
 
-def test_incremental_decode_equals_full_recompute():
-    model = make_model(seed=4)
+def test_incremental_decode_equals_full_recompute(shape):
+    model = make_model(seed=4, **shape)
     ids = np.random.default_rng(2).integers(0, 97, 20)
     kv, _ = caches(model)
     full_kv, _ = caches(model)
@@ -94,9 +101,9 @@ def test_incremental_decode_equals_full_recompute():
         assert_close(step[-1], full[-1], rel=1e-5)
 
 
-def test_invalid_slots_are_not_written_and_do_not_disturb_valid_tokens():
+def test_invalid_slots_are_not_written_and_do_not_disturb_valid_tokens(shape):
     """Over-allocated verify tokens (slot -1) leave the cache alone; the valid prefix is unaffected."""
-    model = make_model(seed=5)
+    model = make_model(seed=5, **shape)
     ref = Reference(weights_of(model), model.config)
     ids = np.random.default_rng(3).integers(0, 97, 10)
     kv, _ = caches(model)
@@ -111,9 +118,9 @@ def test_invalid_slots_are_not_written_and_do_not_disturb_valid_tokens():
         assert 6 in changed and changed <= {6} | scratch  # position 6 lives in slot 6 (blocks 0, 1, ...)
 
 
-def test_training_context_matches_serving_path():
+def test_training_context_matches_serving_path(shape):
     """The dense causal context used for training computes the same logits as the paged path."""
-    model = make_model(seed=6)
+    model = make_model(seed=6, **shape)
     ids = np.random.default_rng(4).integers(0, 97, (2, 7))
     dense = model.run(paddle.to_tensor(ids.flatten()), paddle.arange(7, dtype="int64").tile([2]),
                       DenseCausalContext(2, 7))
@@ -123,9 +130,9 @@ def test_training_context_matches_serving_path():
     assert_close(model.compute_logits(dense.hidden_states).numpy(), paged, rel=1e-5)
 
 
-def test_mtp_layer_incremental_through_its_own_cache_matches_numpy():
+def test_mtp_layer_incremental_through_its_own_cache_matches_numpy(shape):
     """Depth 1 fed one position at a time through the MTP KV cache equals the full NumPy recompute."""
-    model = make_model(seed=7)
+    model = make_model(seed=7, **shape)
     ref = Reference(weights_of(model), model.config)
     ids = np.random.default_rng(5).integers(0, 97, 12)
     ref_logits, ref_hidden = ref.mtp(0, ids[1:], ref.main(ids[:-1])[1])
@@ -139,9 +146,9 @@ def test_mtp_layer_incremental_through_its_own_cache_matches_numpy():
     assert_close(np.stack(got), ref_logits)
 
 
-def test_mtp_out_rows_match_full_rows_and_write_the_same_kv():
+def test_mtp_out_rows_match_full_rows_and_write_the_same_kv(shape):
     """Asking an MTP depth for a few rows gives those rows of the full output, and every row's KV."""
-    model = make_model(seed=8)
+    model = make_model(seed=8, **shape)
     ids = np.random.default_rng(6).integers(0, 97, 10)
     kv, mtp_kv = caches(model)
     batch = pack([Window(ids[:6].tolist(), 0, blocks_for(0)), Window(ids[6:9].tolist(), 0, blocks_for(1))],
@@ -159,9 +166,9 @@ def test_mtp_out_rows_match_full_rows_and_write_the_same_kv():
     np.testing.assert_array_equal(mtp_kv.k[0].numpy(), full_kv)
 
 
-def test_eval_rebuilds_serving_weights_after_training_changes_them():
+def test_eval_rebuilds_serving_weights_after_training_changes_them(shape):
     """Eval mode serves from fused, transposed copies: train() drops them, eval() rebuilds them."""
-    model = make_model(seed=9)
+    model = make_model(seed=9, **shape)
     ids = np.random.default_rng(7).integers(0, 97, 5)
     batch = pack([Window(ids.tolist(), 0, blocks_for(0))], BLOCK, MAX_BLOCKS)
     model.train()
@@ -174,13 +181,13 @@ def test_eval_rebuilds_serving_weights_after_training_changes_them():
     assert_close(trained, ref.main(ids)[0])
 
 
-def test_mtp_token_table_in_eval_matches_the_step_by_step_inputs_of_training():
+def test_mtp_token_table_in_eval_matches_the_step_by_step_inputs_of_training(shape):
     """Eval mode looks up token_layernorm(E) @ W_token (tabulated); training computes it per step."""
-    model = make_model(seed=8)
+    model = make_model(seed=8, **shape)
     ids = np.random.default_rng(5).integers(0, 97, (2, 6))
     tokens = paddle.to_tensor(ids.flatten())
     positions = paddle.arange(6, dtype="int64").tile([2])
-    prev = paddle.to_tensor(np.random.default_rng(6).standard_normal((12, 48)).astype(np.float32))
+    prev = paddle.to_tensor(np.random.default_rng(6).standard_normal((12, model.config.hidden_size)).astype(np.float32))
     served = model.run_mtp(1, tokens, prev, positions, DenseCausalContext(2, 6))
     assert model.model.mtp_layers[1].tokens.table is not None
     model.train()

@@ -1,0 +1,82 @@
+"""A whole decoder block as one op on CPU hosts: `mtp_decoder_layer` (ops_ext/decoder_layer.cc).
+
+A block written as Paddle ops is ~25 calls from Python; on a small model on CPU, dispatching them costs
+more than their arithmetic. Serving on a CPU host therefore runs each dense block (the main layers and
+the MTP layers' blocks) as one call that reads the packed serving weights (model/small_matmul.py), the
+rotary tables and the paged KV cache, and writes this step's K/V in place. It is the CPU counterpart of
+capturing a step as a CUDA graph: GPU hosts keep the Paddle-op path (and their graphs).
+
+The op serves when: Paddle runs on the CPU and the library has it; the model is in eval mode with its
+weights packed; no tensor parallelism (the op has no all-reduce between attention and MLP); the
+context is the paged cache in float32; the block is a Qwen2-style one (rotate-half RoPE, no o_proj
+bias). Anything else keeps the Paddle-op path, which computes the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import paddle
+from paddle import _C_ops
+
+from mtpserve.model.attention_context import AttentionContext, PagedContext
+from mtpserve.model.decoder_layer import MLP, Attention
+from mtpserve.model.norm import RMSNorm
+from mtpserve.model.rotary import RotaryEmbedding
+from mtpserve.ops import cpu_op_available
+
+OP = "mtp_decoder_layer"
+
+
+class DenseBlock(Protocol):
+    """What the op reads of a block: the main decoder layers and the MTP layers both have these."""
+
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: MLP
+
+
+def available() -> bool:
+    return cpu_op_available(OP)
+
+
+class FusedBlocks:
+    """The per-forward inputs every block's call shares; `of()` builds one where the op serves."""
+
+    def __init__(self, ctx: PagedContext, rotary: RotaryEmbedding):
+        b = ctx.batch
+        self._shared = (rotary.cos_table, rotary.signed_sin_table, b.positions, ctx.write_slots)
+        self._tables = (b.block_tables, b.cu_seqlens_q, b.seq_lens_kv)
+        self._kv = ctx.kv
+
+    @classmethod
+    def of(cls, ctx: AttentionContext, rotary: RotaryEmbedding, first: DenseBlock,
+           tp_size: int) -> FusedBlocks | None:
+        """None unless the op serves this forward (module docstring); `first` stands for every block
+        of the forward (a model's blocks share their shape and state)."""
+        if not (isinstance(ctx, PagedContext) and ctx.in_place and tp_size == 1 and available()):
+            return None
+        return cls(ctx, rotary) if serves(first) else None
+
+    def block(self, blk: DenseBlock, x: paddle.Tensor, layer: int,
+              out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
+        """x [T, H] -> the block's output [T, H] (or [N, H] for out_rows [N], increasing token indices:
+        every token's K/V is written, the MLP runs on those rows only)."""
+        attn, mlp = blk.self_attn, blk.mlp
+        out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
+            OP, x, blk.input_layernorm.weight, attn.qkv.serving.panels, attn.qkv.bias, attn.o_proj.serving.panels,
+            blk.post_attention_layernorm.weight, mlp.gate_up.serving.panels, mlp.down_proj.serving.panels,
+            *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
+            attn.num_heads, blk.input_layernorm.eps, self._kv.block_size)
+        return out[0]
+
+
+def serves(blk: DenseBlock) -> bool:
+    """The block is in eval mode with packed weights and has the op's shape (module docstring)."""
+    attn, mlp = blk.self_attn, blk.mlp
+    if blk.input_layernorm.training or attn.interleaved_rope or attn.o_proj.bias is not None:
+        return False
+    packed = (attn.qkv.serving.panels, attn.o_proj.serving.panels, mlp.gate_up.serving.panels,
+              mlp.down_proj.serving.panels)
+    return all(p is not None for p in packed)

@@ -1,0 +1,50 @@
+// The paged attention of ops_ext/paged_attention.cc as a C++ function, for ops that attend inside a
+// larger kernel (ops_ext/decoder_layer.cc) without a round trip through Python.
+#pragma once
+#include <cstdint>
+
+#include "paddle/extension.h"
+
+namespace mtp {
+
+// The KV cache of one layer: S rows of KVH heads of D floats, in blocks of block_size rows; the last
+// block is the scratch block that table entries < 0 read.
+struct Cache {
+  const float* k;
+  const float* v;
+  int64_t rows;      // S
+  int64_t kv_heads;  // KVH
+  int64_t dim;       // D
+  int64_t block_size;
+  int64_t scratch_block;
+};
+
+// This step's tokens of B requests, as mtp_paged_attention takes them (see paged_attention.cc).
+struct AttentionBatch {
+  const float* q;      // token t's query head h at q + t * q_stride + h * D
+  int64_t q_stride;    // floats per token in q (H * D when q is [T, H, D])
+  float* out;          // token t's head h at out + t * out_stride + h * D; rows that see no key are 0
+  int64_t out_stride;  // floats per token in out
+  int64_t tokens, heads;
+  const int32_t* block_tables;  // [B, max_blocks]
+  int64_t num_seqs, max_blocks;
+  const int32_t* cu_seqlens_q;  // [B+1]
+  const int32_t* seq_lens_kv;   // [B]
+  const int64_t* positions;     // [T]
+};
+
+// Attention of every token over its request's visible keys. Checks nothing: build the arguments with
+// CheckedBatch and CheckedCache, which reject what would read outside a tensor.
+void PagedAttend(const AttentionBatch& batch, const Cache& cache);
+
+// The cache of one layer after checking the tensors: float32 CPU [S, KVH, D], K and V alike, whole
+// blocks, the last the scratch block, and `heads` a multiple of KVH.
+Cache CheckedCache(const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, int64_t heads, int block_size);
+
+// The batch after checking the tables against the cache and the token count.
+AttentionBatch CheckedBatch(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t tokens,
+                            int64_t heads, const paddle::Tensor& k_cache, const paddle::Tensor& block_tables,
+                            const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
+                            const paddle::Tensor& positions, int block_size);
+
+}  // namespace mtp

@@ -1,0 +1,186 @@
+"""The `mtp_decoder_layer` op (ops_ext/decoder_layer.cc): one whole decoder block against a float64 NumPy
+block (norm, q/k/v with and without bias, rotate-half RoPE, GQA attention over the paged cache, o_proj,
+SwiGLU MLP), on batches of decode rows, verify windows and prefill chunks; the K/V it writes; out_rows;
+rows that are bit-identical whatever shares the call; and that serving actually takes this path."""
+
+import numpy as np
+import paddle
+import pytest
+from paddle import _C_ops
+
+from mtpserve.model import fused_layer, small_matmul
+from mtpserve.model.attention_context import PagedContext
+from mtpserve.model.decoder_layer import DecoderLayer
+from mtpserve.model.rotary import RotaryEmbedding
+from model_fixtures import PACKED, Window, make_model, pack
+from numpy_reference import rms_norm, rope
+from test_paged_attention import reference as attention_reference
+
+pytestmark = pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU op")
+BS = 4  # tokens per block, as test_paged_attention's reference assumes
+EPS = 1e-6
+
+
+class Block:
+    """Random weights of one block in [in, out] layout, plus their packed panels."""
+
+    def __init__(self, seed, hidden, heads, kv_heads, dim, inter, bias=True):
+        gen = np.random.default_rng(seed)
+
+        def w(rows: int, cols: int) -> np.ndarray:
+            return (gen.standard_normal(size=(rows, cols)) / np.sqrt(rows)).astype(np.float32)
+
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.norm1 = (1 + 0.1 * gen.standard_normal(size=(hidden,))).astype(np.float32)
+        self.norm2 = (1 + 0.1 * gen.standard_normal(size=(hidden,))).astype(np.float32)
+        self.qkv = w(hidden, (heads + 2 * kv_heads) * dim)
+        self.qkv_bias = (0.1 * gen.standard_normal(size=(self.qkv.shape[1],))).astype(np.float32) if bias else None
+        self.o, self.gate_up, self.down = w(heads * dim, hidden), w(hidden, 2 * inter), w(inter, hidden)
+
+    def panels(self, weight):
+        packed = small_matmul.pack(paddle.to_tensor(weight))
+        assert packed is not None, "the op's weights must pack into panels"
+        return packed
+
+
+def make_step(seed, new_tokens, cached, hidden=64, kv_heads=2, dim=16, num_blocks=40):
+    """Cache rows filled with random K/V for the cached tokens, and the step's x, positions and slots."""
+    gen = np.random.default_rng(seed)
+    rows = (num_blocks + 1) * BS
+    k_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    v_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    lens = [c + n for c, n in zip(cached, new_tokens)]
+    max_blocks = max(-(-n // BS) for n in lens) + 1
+    free = list(gen.permutation(num_blocks))
+    tables = np.full((len(lens), max_blocks), -1, np.int32)
+    for b, n in enumerate(lens):
+        for i in range(-(-n // BS)):
+            tables[b, i] = free.pop()
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new_tokens)]).astype(np.int64)
+    row_of = np.repeat(np.arange(len(lens)), new_tokens)
+    slots = (tables[row_of, positions // BS].astype(np.int64) * BS + positions % BS)
+    cu = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    x = gen.standard_normal((int(cu[-1]), hidden)).astype(np.float32)
+    return dict(x=x, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=np.asarray(lens, np.int32),
+                positions=positions, slots=slots)
+
+
+ROTARY = RotaryEmbedding(16, 10000.0, 256)
+
+
+def run_op(block: Block, step: dict, out_rows=None, slots=None):
+    """-> (output, K cache, V cache) as NumPy; the caches are the op's in-place writes."""
+    assert fused_layer.available(), "the op must be built (make install)"
+    k_cache, v_cache = paddle.to_tensor(step["k_cache"]), paddle.to_tensor(step["v_cache"])
+    bias = None if block.qkv_bias is None else paddle.to_tensor(block.qkv_bias)
+    args = [paddle.to_tensor(step["x"]), paddle.to_tensor(block.norm1), block.panels(block.qkv), bias,
+            block.panels(block.o), paddle.to_tensor(block.norm2), block.panels(block.gate_up),
+            block.panels(block.down), ROTARY.cos_table, ROTARY.signed_sin_table,
+            paddle.to_tensor(step["positions"]), paddle.to_tensor(step["slots"] if slots is None else slots),
+            k_cache, v_cache, paddle.to_tensor(step["tables"]), paddle.to_tensor(step["cu"]),
+            paddle.to_tensor(step["lens"]), None if out_rows is None else paddle.to_tensor(out_rows)]
+    out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
+        fused_layer.OP, *args, block.heads, EPS, BS)[0]
+    return out.numpy(), k_cache.numpy(), v_cache.numpy()
+
+
+def reference(block: Block, step: dict, out_rows=None):
+    """The block in float64: -> (output, K cache, V cache)."""
+    h, kvh, d = block.heads, block.kv_heads, block.dim
+    x = step["x"].astype(np.float64)
+    qkv = rms_norm(x, block.norm1, EPS) @ block.qkv + (0 if block.qkv_bias is None else block.qkv_bias)
+    t = x.shape[0]
+    q = rope(qkv[:, :h * d].reshape(t, h, d), step["positions"], 10000.0)
+    k = rope(qkv[:, h * d:(h + kvh) * d].reshape(t, kvh, d), step["positions"], 10000.0)
+    v = qkv[:, (h + kvh) * d:].reshape(t, kvh, d)
+    k_cache, v_cache = step["k_cache"].copy(), step["v_cache"].copy()
+    keep = step["slots"] >= 0
+    k_cache[step["slots"][keep]], v_cache[step["slots"][keep]] = k[keep], v[keep]
+    attn = attention_reference(q, k_cache, v_cache, step["tables"], step["cu"], step["lens"], step["positions"])
+    hidden = x + attn.reshape(t, h * d) @ block.o
+    if out_rows is not None:
+        hidden = hidden[out_rows]
+    gate_up = rms_norm(hidden, block.norm2, EPS) @ block.gate_up
+    inter = block.down.shape[0]
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return hidden + (gate / (1 + np.exp(-gate)) * up) @ block.down, k_cache, v_cache
+
+
+BATCHES = [
+    ([1], [0]),                    # the first token
+    ([1, 1, 1], [3, 4, 17]),       # decode rows, one at a block boundary
+    ([3, 3], [5, 12]),             # verify windows (k + 1 = 3)
+    ([9, 1, 3, 4], [0, 31, 7, 4]),  # a prefill chunk beside decode and verify rows
+    ([13], [11]),                  # a later prefill chunk, odd length
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("new_tokens,cached", BATCHES)
+def test_matches_numpy(heads, kv_heads, new_tokens, cached):
+    block = Block(heads * 10 + kv_heads, 64, heads, kv_heads, 16, 96)
+    step = make_step(len(new_tokens) * 7 + heads, new_tokens, cached, kv_heads=kv_heads)
+    got, k_cache, v_cache = run_op(block, step)
+    want, want_k, want_v = reference(block, step)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(k_cache, want_k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(v_cache, want_v, rtol=1e-4, atol=1e-4)
+
+
+def test_no_qkv_bias_and_unwritten_slots():
+    block = Block(3, 64, 4, 2, 16, 64, bias=False)
+    step = make_step(5, [3, 2], [6, 9])
+    step["slots"][4] = -1  # NOTE: an over-allocated token: its K/V must not be written anywhere
+    got, k_cache, v_cache = run_op(block, step)
+    want, want_k, want_v = reference(block, step)
+    np.testing.assert_allclose(got[:4], want[:4], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(k_cache, want_k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(v_cache, want_v, rtol=1e-4, atol=1e-4)
+
+
+def test_out_rows_keep_only_those_rows_and_write_every_tokens_kv():
+    block = Block(4, 64, 4, 2, 16, 96)
+    step = make_step(11, [3, 3, 1], [5, 12, 2])
+    rows = np.array([1, 5, 6], np.int64)
+    got, k_cache, _ = run_op(block, step, out_rows=rows)
+    full, full_k, _ = run_op(block, step)
+    assert got.shape == (3, 64)
+    assert got.tobytes() == full[rows].tobytes()
+    assert k_cache.tobytes() == full_k.tobytes()
+    want, _, _ = reference(block, step, out_rows=rows)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_requests_rows_do_not_depend_on_the_others():
+    block = Block(6, 64, 4, 2, 16, 96)
+    step = make_step(13, [3, 1, 5], [9, 20, 2])
+    together, _, _ = run_op(block, step)
+    alone = dict(step, x=step["x"][3:4], tables=step["tables"][1:2], cu=np.array([0, 1], np.int32),
+                 lens=step["lens"][1:2], positions=step["positions"][3:4], slots=step["slots"][3:4])
+    got, _, _ = run_op(block, alone)
+    assert got.tobytes() == together[3:4].tobytes()
+
+
+def test_bad_inputs_are_refused_not_read_out_of_bounds():
+    block = Block(8, 64, 4, 2, 16, 96)
+    step = make_step(17, [2], [3])
+    with pytest.raises(Exception, match="outside the cache"):
+        run_op(block, step, slots=np.array([0, 10 ** 6], np.int64))
+    far = dict(step, positions=np.array([400, 401], np.int64))
+    with pytest.raises(Exception, match="rotary tables"):
+        run_op(block, far)
+
+
+def test_serving_a_packed_shape_takes_the_fused_path():
+    # NOTE: without this, a change that made FusedBlocks.of decline would pass every equality test
+    # (the Paddle-op path computes the same function) and quietly give up the speed.
+    model = make_model(0, **PACKED)
+    kv = model.allocate_kv(model.config.num_hidden_layers, 8, 4)
+    batch = pack([Window(ids=[1, 2, 3], start=0, blocks=[0])], block_size=4, max_blocks=2)
+    ctx = PagedContext(batch, kv)
+    first = model.model.layers[0]
+    assert isinstance(first, DecoderLayer)
+    assert fused_layer.FusedBlocks.of(ctx, model.rotary, first, 1) is not None
+    assert fused_layer.FusedBlocks.of(ctx, model.rotary, first, 2) is None
+    model.train()
+    assert fused_layer.FusedBlocks.of(ctx, model.rotary, first, 1) is None
