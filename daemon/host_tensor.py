@@ -20,8 +20,14 @@ def host_tensor(array: np.ndarray) -> paddle.Tensor:
     array = np.asarray(array, order="C")
     tensor = paddle.empty(list(array.shape), dtype=array.dtype)
     # NOTE: Tensor.set_value does the same with more checks; the dense tensor's set is one copy.
-    tensor.get_tensor().set(array, _concrete(tensor.place))
+    tensor.get_tensor().set(array, _CPU if _CPU_ONLY else _concrete(tensor.place))
     return tensor
+
+
+# NOTE: a CPU-only build puts every tensor on the CPU; asking each tensor for its place costs more than
+# the copy of a step's small index arrays.
+_CPU_ONLY = not paddle.device.is_compiled_with_cuda()
+_CPU = paddle.CPUPlace()
 
 
 def _concrete(place: paddle.base.core.Place) -> paddle.CPUPlace | paddle.CUDAPlace:

@@ -35,6 +35,7 @@
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "small_matmul.h"
+#include "vector_math.h"
 
 namespace {
 
@@ -64,22 +65,35 @@ void Multiply(const float* x, int64_t m, const Panels& w, const float* bias, flo
 }
 
 // x * cos + rotate_half(x) * sin for `count` heads of D floats at one position, in place; the sign of
-// rotate_half is in `sin` (its first half is -sin), so rotate_half becomes a roll by D/2.
-void Rotate(float* x, int64_t count, int64_t d, const float* cos, const float* sin, std::vector<float>& tmp) {
+// rotate_half is in `sin` (its first half is -sin), so rotate_half becomes a swap of the halves.
+MTP_VECTOR_CLONES
+void Rotate(float* x, int64_t count, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
-  tmp.resize(static_cast<size_t>(d));
   for (int64_t h = 0; h < count; ++h) {
-    float* row = x + h * d;
-    std::memcpy(tmp.data(), row, sizeof(float) * d);
-    for (int64_t i = 0; i < d; ++i) {
-      const float a = tmp[i] * cos[i];
-      const float b = tmp[(i + half) % d] * sin[i];
-      row[i] = a + b;
+    float* lo = x + h * d;
+    float* hi = lo + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = lo[i], b = hi[i];
+      lo[i] = a * cos[i] + b * sin[i];
+      hi[i] = b * cos[half + i] + a * sin[half + i];
     }
   }
 }
 
-inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
+// out[r] = silu(gate[r]) * up[r] for rows of [gate | up] (2I floats) into rows of I floats.
+MTP_VECTOR_CLONES
+void SwiGlu(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    float* o = out + r * inter;
+    for (int64_t j = 0; j < inter; ++j) o[j] = mtp::Silu(g[j]) * g[inter + j];
+  }
+}
+
+MTP_VECTOR_CLONES
+void AddInto(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] + y[i];
+}
 
 struct Shapes {
   int64_t tokens, hidden, heads, kv_heads, dim, inter, qkv_width;
@@ -122,7 +136,7 @@ std::vector<paddle::Tensor> DecoderLayer(
   const int64_t* slots = write_slots.data<int64_t>();
 
   // 1. q, k, v of every token, rotated
-  thread_local std::vector<float> normed, qkv_out, attn, act, tmp;
+  thread_local std::vector<float> normed, qkv_out, attn, gate_up_out, act;
   normed.resize(static_cast<size_t>(s.tokens * s.hidden));
   qkv_out.resize(static_cast<size_t>(s.tokens * s.qkv_width));
   attn.resize(static_cast<size_t>(s.tokens * s.heads * s.dim));
@@ -135,7 +149,7 @@ std::vector<paddle::Tensor> DecoderLayer(
   for (int64_t t = 0; t < s.tokens; ++t) {
     PD_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " is outside the rotary tables");
     Rotate(qkv_out.data() + t * s.qkv_width, s.heads + s.kv_heads, s.dim, cos + pos[t] * s.dim,
-           sin + pos[t] * s.dim, tmp);
+           sin + pos[t] * s.dim);
   }
   // 2. this step's K/V into the cache, then attention over it
   const int64_t kv_row = s.kv_heads * s.dim;
@@ -154,7 +168,7 @@ std::vector<paddle::Tensor> DecoderLayer(
   std::vector<float>& h = qkv_out;  // NOTE: q/k/v are spent; reuse the buffer for the residual stream
   h.resize(static_cast<size_t>(s.tokens * s.hidden));
   Multiply(attn.data(), s.tokens, o, nullptr, h.data());
-  for (int64_t i = 0; i < s.tokens * s.hidden; ++i) h[i] = xd[i] + h[i];
+  AddInto(h.data(), xd, s.tokens * s.hidden);
   int64_t rows = s.tokens;
   if (out_rows) {
     PD_CHECK(out_rows->dtype() == paddle::DataType::INT64, "out_rows must be int64");
@@ -168,17 +182,14 @@ std::vector<paddle::Tensor> DecoderLayer(
   }
   // 4. the MLP residual: out = h + (silu(h' @ gate) * (h' @ up)) @ down, h' = norm(h)
   mtp::RmsNormRows(h.data(), norm2, normed.data(), rows, s.hidden, eps);
-  act.resize(static_cast<size_t>(rows * 2 * s.inter));
-  Multiply(normed.data(), rows, gate_up, nullptr, act.data());
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gu = act.data() + r * 2 * s.inter;
-    float* a = act.data() + r * s.inter;  // NOTE: row r's output lies at or before its input: safe in order
-    for (int64_t j = 0; j < s.inter; ++j) a[j] = Silu(gu[j]) * gu[s.inter + j];
-  }
+  gate_up_out.resize(static_cast<size_t>(rows * 2 * s.inter));
+  act.resize(static_cast<size_t>(rows * s.inter));
+  Multiply(normed.data(), rows, gate_up, nullptr, gate_up_out.data());
+  SwiGlu(gate_up_out.data(), act.data(), rows, s.inter);
   paddle::Tensor out = paddle::empty({rows, s.hidden}, paddle::DataType::FLOAT32, x.place());
   float* od = out.data<float>();
   Multiply(act.data(), rows, down, nullptr, od);
-  for (int64_t i = 0; i < rows * s.hidden; ++i) od[i] = h[i] + od[i];
+  AddInto(od, h.data(), rows * s.hidden);
   return {out};
 }
 

@@ -23,36 +23,23 @@
 // (x86-64: AVX-512, AVX2 or SSE clones chosen at load time), since float sums are not reassociated
 // without them.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "paddle/extension.h"
 #include "paged_attention.h"
+#include "vector_math.h"
+#include "worker_pool.h"
 
 namespace {
 
 using mtp::Cache;
 
-// The cache row of key j of a request whose block table row is `table` (M entries).
-inline int64_t KeyRow(const int32_t* table, int64_t j, const Cache& c) {
-  int64_t block = table[j / c.block_size];
-  if (block < 0) block = c.scratch_block;
-  return block * c.block_size + j % c.block_size;
-}
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MTP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MTP_VECTOR_CLONES
-#endif
 
 constexpr int kLanes = 16;
 
@@ -67,147 +54,70 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   return sum;
 }
 
-// exp(x) for x <= 0 in plain arithmetic, so a loop of it vectorises (std::exp is a libm call per
-// element): Cephes' expf, x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, times 2^n
-// built in the exponent bits; relative error about 1e-7. Below -87 it returns ~1e-38 instead of less.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// Workers for the groups of one call; the calling thread works too. Threads sleep between calls.
-class Pool {
- public:
-  static Pool& Get() {
-    // NOTE: never destroyed: its workers wait on its condition variable until the process ends
-    static Pool* pool = new Pool(std::max(1u, std::thread::hardware_concurrency()) - 1);
-    return *pool;
-  }
-
-  // fn(i) for i in [0, n), each on one thread, returning when all are done.
-  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
-    if (workers_.empty() || n < 2) {
-      for (int64_t i = 0; i < n; ++i) fn(i);
-      return;
-    }
-    std::unique_lock<std::mutex> call(call_mu_);  // NOTE: one call at a time (one device thread anyway)
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &fn;
-      size_ = n;
-      next_.store(0);
-      pending_ = static_cast<int>(workers_.size());
-      ++generation_;
-    }
-    wake_.notify_all();
-    Work(fn, n);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
-  }
-
- private:
-  explicit Pool(unsigned num_workers) {
-    for (unsigned w = 0; w < num_workers; ++w) workers_.emplace_back([this] { Loop(); });
-    for (auto& t : workers_) t.detach();  // NOTE: lives as long as the process
-  }
-
-  void Work(const std::function<void(int64_t)>& fn, int64_t n) {
-    for (int64_t i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) fn(i);
-  }
-
-  void Loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int64_t)>* job;
-      int64_t n;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        job = job_;
-        n = size_;
-      }
-      Work(*job, n);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex call_mu_, mu_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int64_t)>* job_ = nullptr;
-  int64_t size_ = 0;
-  std::atomic<int64_t> next_{0};
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-};
 
 // Below this many multiply-adds a call runs on the calling thread: waking a worker costs more.
 constexpr double kParallelWork = 1 << 20;
 
+// The cache row of each of a request's first `n` keys, block by block (no division per key).
+void KeyRows(const int32_t* table, int64_t n, const Cache& c, std::vector<int64_t>& rows) {
+  rows.resize(static_cast<size_t>(n));
+  for (int64_t j = 0, entry = 0; j < n; ++entry) {
+    const int64_t block = table[entry] < 0 ? c.scratch_block : table[entry];
+    for (int64_t o = 0; o < c.block_size && j < n; ++o, ++j) rows[j] = (block * c.block_size + o) * c.kv_heads;
+  }
+}
+
 // One request and one KV head: the `group` query heads of its `nq` tokens.
 MTP_VECTOR_CLONES
 void AttendGroup(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* positions,
-                 int64_t nq, int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c,
-                 std::vector<float>& scores) {
+                 int64_t nq, int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c) {
+  thread_local std::vector<float> scores, acc;
+  thread_local std::vector<int64_t> key_rows, seen;
   const int64_t d = c.dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  int64_t max_seen = 0;
-  for (int64_t t = 0; t < nq; ++t) max_seen = std::max(max_seen, std::min(num_keys, positions[t] + 1));
   const int64_t rows = nq * group;
+  seen.resize(static_cast<size_t>(rows));  // keys each query row sees
+  int64_t max_seen = 0;
+  for (int64_t t = 0, r = 0; t < nq; ++t)
+    for (int64_t g = 0; g < group; ++g, ++r) {
+      seen[r] = std::max<int64_t>(0, std::min(num_keys, positions[t] + 1));
+      max_seen = std::max(max_seen, seen[r]);
+    }
+  KeyRows(table, max_seen, c, key_rows);
   scores.assign(static_cast<size_t>(rows * max_seen), 0.0f);
   // 1. scores: each key row is read once and dotted with every query row that may see it
   for (int64_t j = 0; j < max_seen; ++j) {
-    const float* kj = c.k + (KeyRow(table, j, c) * c.kv_heads + kvh) * d;
-    for (int64_t t = 0; t < nq; ++t) {
-      if (j > positions[t]) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qr = q + t * q_stride + (kvh * group + g) * d;
-        scores[(t * group + g) * max_seen + j] = Dot(qr, kj, d) * scale;
-      }
+    const float* kj = c.k + (key_rows[j] + kvh) * d;
+    for (int64_t t = 0, r = 0; t < nq; ++t) {
+      const float* qt = q + t * q_stride + kvh * group * d;
+      for (int64_t g = 0; g < group; ++g, ++r)
+        if (j < seen[r]) scores[r * max_seen + j] = Dot(qt + g * d, kj, d) * scale;
     }
   }
   // 2. softmax per query row over its visible keys, 3. the weighted sum of value rows
-  std::vector<float> acc(static_cast<size_t>(rows * d), 0.0f);
-  std::vector<int64_t> seen(static_cast<size_t>(nq));
-  for (int64_t t = 0; t < nq; ++t) seen[t] = std::min(num_keys, positions[t] + 1);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores.data() + r * max_seen;
-    const int64_t n = seen[r / group];
+    const int64_t n = seen[r];
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-    for (int64_t j = 0; j < n; ++j) s[j] = ExpNonPositive(s[j] - m);
+    for (int64_t j = 0; j < n; ++j) s[j] = mtp::ExpNonPositive(s[j] - m);
     float sum = 0.0f;
     for (int64_t j = 0; j < n; ++j) sum += s[j];
     const float inv = n > 0 ? 1.0f / sum : 0.0f;
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
+  acc.assign(static_cast<size_t>(rows * d), 0.0f);
   for (int64_t j = 0; j < max_seen; ++j) {
-    const float* vj = c.v + (KeyRow(table, j, c) * c.kv_heads + kvh) * d;
+    const float* vj = c.v + (key_rows[j] + kvh) * d;
     for (int64_t r = 0; r < rows; ++r) {
-      if (j >= seen[r / group]) continue;
+      if (j >= seen[r]) continue;
       const float w = scores[r * max_seen + j];
       float* a = acc.data() + r * d;
       for (int64_t i = 0; i < d; ++i) a[i] += w * vj[i];
     }
   }
   for (int64_t t = 0; t < nq; ++t)
-    for (int64_t g = 0; g < group; ++g)
-      std::copy_n(acc.data() + (t * group + g) * d, d, out + t * out_stride + (kvh * group + g) * d);
+    std::copy_n(acc.data() + t * group * d, group * d, out + t * out_stride + kvh * group * d);
 }
 
 }  // namespace
@@ -221,19 +131,18 @@ void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
             std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size);
   work *= 2.0 * a.heads * dim;
   auto attend = [&](int64_t item) {
-    thread_local std::vector<float> scores;
     const int64_t b = item / kv_heads, kvh = item % kv_heads;
     const int64_t first = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - first;
     if (nq == 0) return;
     const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size));
     AttendGroup(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride, a.out_stride,
-                a.positions + first, nq, group, kvh, a.block_tables + b * a.max_blocks, num_keys, c, scores);
+                a.positions + first, nq, group, kvh, a.block_tables + b * a.max_blocks, num_keys, c);
   };
   const int64_t items = a.num_seqs * kv_heads;
   if (work < kParallelWork) {
     for (int64_t item = 0; item < items; ++item) attend(item);
   } else {
-    Pool::Get().Run(items, attend);
+    mtp::ParallelFor(items, attend);
   }
 }
 

@@ -13,6 +13,7 @@
 // call: greedy decoding with and without drafts computes the same logits for the same position.
 //
 // Python wrapper: mtpserve.model.small_matmul (it packs weights and decides when this op is used).
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <vector>
@@ -24,12 +25,16 @@
 
 #include "paddle/extension.h"
 #include "small_matmul.h"
+#include "worker_pool.h"
 
 namespace {
 
 constexpr int kPanel = mtp::kPanelColumns;  // output columns per panel: four 8-float AVX registers
 constexpr int kRowTile = 3;  // rows sharing each weight load: 12 accumulators + 1 input register
 constexpr int kPrefetchRows = 16;  // panel rows (of 128 bytes) read ahead of the FMA loop
+// Products of at least this many multiply-adds split their panels over the worker threads: below it,
+// handing out the halves costs more than they save (a [1, 256] x [256, 128] product is 32k).
+constexpr double kParallelWork = 32 * 1024;
 
 struct Operands {
   const float* x;
@@ -93,13 +98,14 @@ void Tile(bool avx2, const Operands& op, int64_t row, int64_t col) {
   TilePortable<Rows>(op, x, panel, y, col);
 }
 
-void Multiply(const Operands& op, int64_t m) {
+// Panels [first, last) of the product.
+void Multiply(const Operands& op, int64_t m, int64_t first, int64_t last) {
 #if MTP_HAVE_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
   constexpr bool avx2 = false;
 #endif
-  for (int64_t col = 0; col < op.n; col += kPanel) {
+  for (int64_t col = first * kPanel; col < last * kPanel; col += kPanel) {
     int64_t row = 0;
     for (; row + kRowTile <= m; row += kRowTile) Tile<kRowTile>(avx2, op, row, col);
     if (m - row == 2) Tile<2>(avx2, op, row, col);
@@ -111,7 +117,14 @@ void Multiply(const Operands& op, int64_t m) {
 
 void mtp::PanelMatmul(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, const float* bias,
                       float* y) {
-  Multiply({x, panels, bias, y, k, n}, m);
+  const Operands op{x, panels, bias, y, k, n};
+  const int64_t num_panels = n / kPanel;
+  const int64_t parts = std::min<int64_t>(num_panels, mtp::CpuThreads());
+  if (parts < 2 || static_cast<double>(m) * k * n < kParallelWork) return Multiply(op, m, 0, num_panels);
+  // NOTE: whole panels per item, each computed as it would be alone: results do not depend on the split
+  mtp::ParallelFor(parts, [&](int64_t part) {
+    Multiply(op, m, num_panels * part / parts, num_panels * (part + 1) / parts);
+  });
 }
 
 namespace {
@@ -135,7 +148,7 @@ std::vector<paddle::Tensor> SmallMatmul(const paddle::Tensor& x, const paddle::T
     b = bias->data<float>();
   }
   paddle::Tensor y = paddle::empty({xs[0], n}, paddle::DataType::FLOAT32, x.place());
-  Multiply({xc.data<float>(), pc.data<float>(), b, y.data<float>(), xs[1], n}, xs[0]);
+  mtp::PanelMatmul(xc.data<float>(), xs[0], xs[1], pc.data<float>(), n, b, y.data<float>());
   return {y};
 }
 

@@ -6,6 +6,7 @@ decoder layers are the same modules and parameter names in training and in servi
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import paddle
@@ -58,7 +59,6 @@ class PagedContext:
     def __init__(self, batch: ForwardBatch, kv: KVCache):
         self.kv = kv
         self.batch = batch
-        self.write_slots = _safe_slots(batch.slot_mapping.astype("int64"), kv.scratch_slot)  # [T]
         # NOTE: CPU hosts read the cache in place (ops_ext/paged_attention.cc); nothing below is needed.
         self.in_place = paged_op_serves(kv)
         if self.in_place:
@@ -74,6 +74,12 @@ class PagedContext:
         self.kv_slots = kv_slots.flatten()  # [B*K]
         positions = self._pad_queries(batch.positions).reshape([self.num_seqs, self.max_q])  # [B, max_q]
         self.bias = _paged_bias(positions, batch.seq_lens_kv, kv_slots.shape[1]).unsqueeze([1, 2])
+
+    @functools.cached_property
+    def write_slots(self) -> paddle.Tensor:
+        """[T] the cache row of each token's K/V, -1 mapped to the scratch slot. Built on first use: a
+        CPU host's fused blocks (model/fused_layer.py) skip -1 themselves and never need it."""
+        return _safe_slots(self.batch.slot_mapping.astype("int64"), self.kv.scratch_slot)
 
     def attend(self, layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
         self.kv.write(layer, self.write_slots, k, v)

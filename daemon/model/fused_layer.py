@@ -14,6 +14,7 @@ bias). Anything else keeps the Paddle-op path, which computes the same function.
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import paddle
@@ -46,7 +47,8 @@ class FusedBlocks:
 
     def __init__(self, ctx: PagedContext, rotary: RotaryEmbedding):
         b = ctx.batch
-        self._shared = (rotary.cos_table, rotary.signed_sin_table, b.positions, ctx.write_slots)
+        # NOTE: the batch's own slot mapping: the op skips slots of -1 (no scratch mapping needed)
+        self._shared = (rotary.cos_table, rotary.signed_sin_table, b.positions, b.slot_mapping)
         self._tables = (b.block_tables, b.cu_seqlens_q, b.seq_lens_kv)
         self._kv = ctx.kv
 
@@ -63,20 +65,38 @@ class FusedBlocks:
               out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [T, H] -> the block's output [T, H] (or [N, H] for out_rows [N], increasing token indices:
         every token's K/V is written, the MLP runs on those rows only)."""
-        attn, mlp = blk.self_attn, blk.mlp
+        weights, eps, heads = _weights_of(blk)
         out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
-            OP, x, blk.input_layernorm.weight, attn.qkv.serving.panels, attn.qkv.bias, attn.o_proj.serving.panels,
-            blk.post_attention_layernorm.weight, mlp.gate_up.serving.panels, mlp.down_proj.serving.panels,
-            *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
-            attn.num_heads, blk.input_layernorm.eps, self._kv.block_size)
+            OP, x, *weights, *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
+            heads, eps, self._kv.block_size)
         return out[0]
 
 
 def serves(blk: DenseBlock) -> bool:
     """The block is in eval mode with packed weights and has the op's shape (module docstring)."""
-    attn, mlp = blk.self_attn, blk.mlp
+    attn = blk.self_attn
     if blk.input_layernorm.training or attn.interleaved_rope or attn.o_proj.bias is not None:
         return False
-    packed = (attn.qkv.serving.panels, attn.o_proj.serving.panels, mlp.gate_up.serving.panels,
-              mlp.down_proj.serving.panels)
-    return all(p is not None for p in packed)
+    _, qkv, _, o, _, gate_up, down = _weights_of(blk)[0]
+    return all(panels is not None for panels in (qkv, o, gate_up, down))
+
+
+# NOTE: a block's op arguments, kept per block: reading them through Paddle's Layer.__getattr__ is ~10
+# lookups a block, a few percent of a small model's step. The key includes the q/k/v panels' identity,
+# which `eval()` replaces whenever it re-packs the weights, so a stale entry is never used.
+_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights_of(blk: DenseBlock) -> tuple[tuple, float, int]:
+    """(weights in the op's input order, eps, query heads) of a block."""
+    attn = blk.self_attn
+    qkv = attn.qkv.serving.panels
+    cached = _ARGS.get(blk)
+    if cached is not None and cached[0] is qkv:
+        return cached[1]
+    mlp = blk.mlp
+    weights = (blk.input_layernorm.weight, qkv, attn.qkv.bias, attn.o_proj.serving.panels,
+               blk.post_attention_layernorm.weight, mlp.gate_up.serving.panels, mlp.down_proj.serving.panels)
+    entry = (weights, blk.input_layernorm.eps, attn.num_heads)
+    _ARGS[blk] = (qkv, entry)
+    return entry

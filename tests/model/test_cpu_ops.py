@@ -67,3 +67,31 @@ def test_rms_norm_op_matches_the_training_formula():
     expected = norm(x).numpy()
     norm.eval()  # the serving kernel
     np.testing.assert_allclose(norm(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+_PRODUCT = """
+import sys
+import numpy as np, paddle
+from mtpserve.model import small_matmul
+gen = np.random.default_rng(11)
+panels = small_matmul.pack(paddle.to_tensor(gen.standard_normal((256, 1536)).astype(np.float32)))
+x = paddle.to_tensor(gen.standard_normal((5, 256)).astype(np.float32))
+sys.stdout.buffer.write(small_matmul.matmul(x, panels).numpy().tobytes())
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_a_product_split_over_worker_threads_is_bit_identical_to_one_thread(threads):
+    # NOTE: ops_ext/worker_pool.cc sizes its pool once per process (OMP_NUM_THREADS, the affinity mask),
+    # so each count needs its own process; panels are whole per thread, so the bits must not change.
+    import os
+    import subprocess
+    import sys
+
+    def run(count: str) -> bytes:
+        env = {**os.environ, "OMP_NUM_THREADS": count}
+        return subprocess.run([sys.executable, "-c", _PRODUCT], env=env, check=True, capture_output=True).stdout
+
+    one = run("1")
+    assert len(one) == 5 * 1536 * 4
+    assert run(threads) == one

@@ -1,0 +1,133 @@
+// The CPU kernels' worker threads (worker_pool.h says what they promise).
+//
+// WHY not OpenMP or Paddle's pool: the items of one call must run whole on one thread each (results may
+// not depend on the thread count), calls come every few tens of microseconds from one thread, and the
+// pool must neither oversubscribe tensor-parallel ranks sharing the CPUs nor leave a sleeping worker's
+// wake-up on the critical path. This is small enough to own.
+#include "worker_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MTP_PAUSE() _mm_pause()
+#else
+#define MTP_PAUSE() std::this_thread::yield()
+#endif
+
+namespace {
+
+constexpr auto kSpin = std::chrono::microseconds(200);  // a worker's wait for the next call before it sleeps
+constexpr uint64_t kIndexBits = 32;
+constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
+
+class Pool {
+ public:
+  static Pool& Get() {
+    // NOTE: never destroyed: its workers wait on it until the process ends
+    static Pool* pool = new Pool(mtp::CpuThreads() - 1);
+    return *pool;
+  }
+
+  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
+    if (workers_ == 0 || n < 2) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> one_call(call_mu_);
+    const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
+    job_.store(&fn, std::memory_order_relaxed);
+    size_.store(n, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    // NOTE: the ticket carries the generation, so a worker still holding an older call's job can never
+    // claim an item of this one (its compare-exchange names the old generation).
+    ticket_.store(gen << kIndexBits, std::memory_order_relaxed);
+    generation_.store(gen, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mu_);  // NOTE: orders the store before a sleeper's check
+    }
+    wake_.notify_all();
+    Work(gen, fn, n);
+    while (done_.load(std::memory_order_acquire) < n) MTP_PAUSE();
+  }
+
+ private:
+  explicit Pool(int workers) : workers_(std::max(0, workers)) {
+    for (int w = 0; w < workers_; ++w) std::thread([this] { Loop(); }).detach();
+  }
+
+  // Claim and run items of generation `gen` until none is left.
+  void Work(uint64_t gen, const std::function<void(int64_t)>& fn, int64_t n) {
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      int64_t i;
+      do {
+        i = static_cast<int64_t>(t & kIndexMask);
+        if ((t >> kIndexBits) != gen || i >= n) return;
+      } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
+      fn(i);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void Loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t gen = WaitFor(seen);
+      seen = gen;
+      const auto* fn = job_.load(std::memory_order_relaxed);
+      const int64_t n = size_.load(std::memory_order_relaxed);
+      Work(gen, *fn, n);
+    }
+  }
+
+  // The next generation after `seen`: spin a little, then sleep until a call wakes us.
+  uint64_t WaitFor(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; ++i) {
+      const uint64_t gen = generation_.load(std::memory_order_acquire);
+      if (gen != seen) return gen;
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+      MTP_PAUSE();
+    }
+    std::unique_lock<std::mutex> lock(sleep_mu_);
+    wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+    return generation_.load(std::memory_order_acquire);
+  }
+
+  const int workers_;
+  std::mutex call_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  std::atomic<const std::function<void(int64_t)>*> job_{nullptr};
+  std::atomic<int64_t> size_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<uint64_t> generation_{0};
+};
+
+}  // namespace
+
+int mtp::CpuThreads() {
+  static const int threads = [] {
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                              : static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* omp = std::getenv("OMP_NUM_THREADS")) {
+      const int wanted = std::atoi(omp);
+      if (wanted > 0) cpus = std::min(cpus, wanted);
+    }
+    return std::max(1, cpus);
+  }();
+  return threads;
+}
+
+void mtp::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) { Pool::Get().Run(n, fn); }

@@ -1,0 +1,20 @@
+// The CPU kernels' worker threads: one per CPU this process may use beyond the calling thread.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+namespace mtp {
+
+// fn(i) for i in [0, n), the calling thread and the workers taking items in turn; returns when every
+// item is done. One call at a time (a rank has one device thread). A worker that wakes late finds the
+// items taken and touches nothing, so a sleeping worker never delays a call: the caller does the work.
+//
+// Workers spin for a short while after their last item before they sleep, because a step's kernels
+// come tens of microseconds apart and a futex wake costs about as much as a small product.
+void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+
+// Threads a ParallelFor call may use, the caller included: the CPUs of this process's affinity mask,
+// at most OMP_NUM_THREADS when that is set (the launcher sets it per rank under tensor parallelism).
+int CpuThreads();
+
+}  // namespace mtp
