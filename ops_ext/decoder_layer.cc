@@ -135,19 +135,36 @@ std::vector<paddle::Tensor> DecoderLayer(
   const float* xd = xc.data<float>();
   const int64_t* slots = write_slots.data<int64_t>();
 
-  // 1. q, k, v of every token, rotated
+  int64_t rows = s.tokens;
+  const int64_t* keep = nullptr;
+  if (out_rows) {
+    PD_CHECK(out_rows->dtype() == paddle::DataType::INT64, "out_rows must be int64");
+    keep = out_rows->data<int64_t>();
+    rows = out_rows->numel();
+    for (int64_t r = 0; r < rows; ++r) {
+      PD_CHECK(keep[r] >= 0 && keep[r] < s.tokens, "out_rows holds a token outside the call");
+      PD_CHECK(r == 0 || keep[r] > keep[r - 1], "out_rows must increase");  // NOTE: so copying down is safe
+    }
+  }
+  for (int64_t t = 0; t < s.tokens; ++t) PD_CHECK(slots[t] < cache.rows, "a write slot is outside the cache");
   thread_local std::vector<float> normed, qkv_out, attn, gate_up_out, act;
-  normed.resize(static_cast<size_t>(s.tokens * s.hidden));
   qkv_out.resize(static_cast<size_t>(s.tokens * s.qkv_width));
   attn.resize(static_cast<size_t>(s.tokens * s.heads * s.dim));
   const mtp::AttentionBatch batch = mtp::CheckedBatch(
       qkv_out.data(), s.qkv_width, attn.data(), s.heads * s.dim, s.tokens, s.heads, k_cache, block_tables,
       cu_seqlens_q, seq_lens_kv, positions, block_size);
+  for (int64_t t = 0; t < s.tokens; ++t)
+    PD_CHECK(batch.positions[t] >= 0 && batch.positions[t] < max_position, "position ", batch.positions[t],
+             " is outside the rotary tables");
+  paddle::Tensor out = paddle::empty({rows, s.hidden}, paddle::DataType::FLOAT32, x.place());
+  float* od = out.data<float>();
+
+  // 1. q, k, v of every token, rotated
+  normed.resize(static_cast<size_t>(s.tokens * s.hidden));
   mtp::RmsNormRows(xd, norm1, normed.data(), s.tokens, s.hidden, eps);
   Multiply(normed.data(), s.tokens, qkv, bias, qkv_out.data());
   const int64_t* pos = batch.positions;
   for (int64_t t = 0; t < s.tokens; ++t) {
-    PD_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " is outside the rotary tables");
     Rotate(qkv_out.data() + t * s.qkv_width, s.heads + s.kv_heads, s.dim, cos + pos[t] * s.dim,
            sin + pos[t] * s.dim);
   }
@@ -157,7 +174,6 @@ std::vector<paddle::Tensor> DecoderLayer(
   float* v_rows = v_cache.data<float>();
   for (int64_t t = 0; t < s.tokens; ++t) {
     if (slots[t] < 0) continue;
-    PD_CHECK(slots[t] < cache.rows, "a write slot is outside the cache");
     const float* kt = qkv_out.data() + t * s.qkv_width + s.heads * s.dim;
     std::memcpy(k_rows + slots[t] * kv_row, kt, sizeof(float) * kv_row);
     std::memcpy(v_rows + slots[t] * kv_row, kt + kv_row, sizeof(float) * kv_row);
@@ -169,25 +185,15 @@ std::vector<paddle::Tensor> DecoderLayer(
   h.resize(static_cast<size_t>(s.tokens * s.hidden));
   Multiply(attn.data(), s.tokens, o, nullptr, h.data());
   AddInto(h.data(), xd, s.tokens * s.hidden);
-  int64_t rows = s.tokens;
-  if (out_rows) {
-    PD_CHECK(out_rows->dtype() == paddle::DataType::INT64, "out_rows must be int64");
-    const int64_t* keep = out_rows->data<int64_t>();
-    rows = out_rows->numel();
-    for (int64_t r = 0; r < rows; ++r) {
-      PD_CHECK(keep[r] >= 0 && keep[r] < s.tokens, "out_rows holds a token outside the call");
-      PD_CHECK(r == 0 || keep[r] > keep[r - 1], "out_rows must increase");  // NOTE: so copying down is safe
+  if (keep != nullptr)
+    for (int64_t r = 0; r < rows; ++r)
       std::memmove(h.data() + r * s.hidden, h.data() + keep[r] * s.hidden, sizeof(float) * s.hidden);
-    }
-  }
   // 4. the MLP residual: out = h + (silu(h' @ gate) * (h' @ up)) @ down, h' = norm(h)
   mtp::RmsNormRows(h.data(), norm2, normed.data(), rows, s.hidden, eps);
   gate_up_out.resize(static_cast<size_t>(rows * 2 * s.inter));
   act.resize(static_cast<size_t>(rows * s.inter));
   Multiply(normed.data(), rows, gate_up, nullptr, gate_up_out.data());
   SwiGlu(gate_up_out.data(), act.data(), rows, s.inter);
-  paddle::Tensor out = paddle::empty({rows, s.hidden}, paddle::DataType::FLOAT32, x.place());
-  float* od = out.data<float>();
   Multiply(act.data(), rows, down, nullptr, od);
   AddInto(od, h.data(), rows * s.hidden);
   return {out};

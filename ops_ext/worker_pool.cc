@@ -26,7 +26,7 @@
 
 namespace {
 
-constexpr auto kSpin = std::chrono::microseconds(200);  // a worker's wait for the next call before it sleeps
+constexpr auto kSpin = std::chrono::microseconds(50);  // a worker's wait for the next call before it sleeps
 constexpr uint64_t kIndexBits = 32;
 constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
 
@@ -121,9 +121,9 @@ int mtp::CpuThreads() {
     cpu_set_t set;
     int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
                                                               : static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* omp = std::getenv("OMP_NUM_THREADS")) {
-      const int wanted = std::atoi(omp);
-      if (wanted > 0) cpus = std::min(cpus, wanted);
+    // NOTE: not OMP_NUM_THREADS: importing Paddle sets it to 1 in every process that left it unset
+    if (const char* wanted = std::getenv("MTPSERVE_CPU_THREADS")) {
+      if (std::atoi(wanted) > 0) cpus = std::min(cpus, std::atoi(wanted));
     }
     return std::max(1, cpus);
   }();

@@ -13,8 +13,8 @@ namespace mtp {
 // come tens of microseconds apart and a futex wake costs about as much as a small product.
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
-// Threads a ParallelFor call may use, the caller included: the CPUs of this process's affinity mask,
-// at most OMP_NUM_THREADS when that is set (the launcher sets it per rank under tensor parallelism).
+// Threads a ParallelFor call may use, the caller included: the CPUs of this process's affinity mask, at
+// most MTPSERVE_CPU_THREADS when that is set (the launcher sets it per rank under tensor parallelism).
 int CpuThreads();
 
 }  // namespace mtp

@@ -20,6 +20,7 @@ def local_ranks(parallel: ParallelConfig) -> range:
 
 
 PLAN_ENDPOINT_VAR = "MTPSERVE_PLAN_ENDPOINT"
+CPU_THREADS_VAR = "MTPSERVE_CPU_THREADS"
 
 
 def rank_environment(parallel: ParallelConfig, rank: int, cpu_count: int | None = None) -> dict[str, str]:
@@ -39,7 +40,10 @@ def rank_environment(parallel: ParallelConfig, rank: int, cpu_count: int | None 
         # NOTE: rank 0 serves step plans on a socket of its own, above the ports of the rendezvous.
         PLAN_ENDPOINT_VAR: f"{parallel.master_addr}:{parallel.master_port + size}",
     }
-    if size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # NOTE: ranks sharing a host split its cores instead of each spawning a thread per core.
-        env["OMP_NUM_THREADS"] = str(max(1, (cpu_count or os.cpu_count() or 1) // len(local)))
+    share = str(max(1, (cpu_count or os.cpu_count() or 1) // len(local)))
+    # NOTE: ranks sharing a host split its cores instead of each spawning a thread per core: Paddle's
+    # OpenMP kernels read OMP_NUM_THREADS, our CPU kernels' workers MTPSERVE_CPU_THREADS (ops_ext/worker_pool.h).
+    for var in ("OMP_NUM_THREADS", CPU_THREADS_VAR):
+        if size > 1 and var not in os.environ:
+            env[var] = share
     return env

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import paddle
 import pytest
@@ -82,16 +84,79 @@ sys.stdout.buffer.write(small_matmul.matmul(x, panels).numpy().tobytes())
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 def test_a_product_split_over_worker_threads_is_bit_identical_to_one_thread(threads):
-    # NOTE: ops_ext/worker_pool.cc sizes its pool once per process (OMP_NUM_THREADS, the affinity mask),
+    # NOTE: ops_ext/worker_pool.cc sizes its pool once per process (MTPSERVE_CPU_THREADS, the affinity mask),
     # so each count needs its own process; panels are whole per thread, so the bits must not change.
-    import os
     import subprocess
     import sys
 
     def run(count: str) -> bytes:
-        env = {**os.environ, "OMP_NUM_THREADS": count}
+        env = {**os.environ, "MTPSERVE_CPU_THREADS": count}
         return subprocess.run([sys.executable, "-c", _PRODUCT], env=env, check=True, capture_output=True).stdout
 
     one = run("1")
     assert len(one) == 5 * 1536 * 4
     assert run(threads) == one
+
+
+def test_a_kernel_lets_other_python_threads_run():
+    # NOTE: a rank's event loop thread runs beside its device thread; a custom op that kept the GIL would
+    # stall the loop for every kernel. Paddle's custom-op entry releases it around the kernel, and the
+    # kernels rely on that (they touch no Python object). Here the main thread counts while another
+    # thread is inside ~5 ms products: with the GIL held it could not count at all.
+    import sys
+    import threading
+
+    gen = np.random.default_rng(5)
+    panels = small_matmul.pack(paddle.to_tensor(gen.standard_normal((1024, 4096)).astype(np.float32)))
+    assert panels is not None
+    x = paddle.to_tensor(gen.standard_normal((64, 1024)).astype(np.float32))
+    entered, done = threading.Event(), threading.Event()
+
+    def work():
+        entered.set()
+        for _ in range(3):
+            small_matmul.matmul(x, panels)
+        done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # NOTE: hand the GIL over quickly, so only a held GIL can stop the count
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        entered.wait()
+        count = 0
+        while not done.is_set():
+            count += 1
+        thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert count > 10_000
+
+
+_THREADS = """
+import os
+import numpy as np, paddle
+from mtpserve.model import small_matmul
+panels = small_matmul.pack(paddle.to_tensor(np.ones((256, 1536), np.float32)))
+x = paddle.to_tensor(np.ones((3, 256), np.float32))
+before = len(os.listdir("/proc/self/task"))
+small_matmul.matmul(x, panels)  # NOTE: the first product large enough to split starts the workers
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no workers to start")
+def test_the_kernels_use_every_cpu_of_the_process_by_default():
+    # NOTE: importing Paddle sets OMP_NUM_THREADS=1 when it is unset; a pool sized by it silently ran on
+    # one core. The workers follow the affinity mask, and MTPSERVE_CPU_THREADS caps them.
+    import subprocess
+    import sys
+
+    def workers(extra: dict) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MTPSERVE_CPU_THREADS")}
+        done = subprocess.run([sys.executable, "-c", _THREADS], env={**env, **extra}, check=True,
+                              capture_output=True, text=True)
+        return int(done.stdout.split()[-1])
+
+    assert workers({}) == len(os.sched_getaffinity(0)) - 1
+    assert workers({"MTPSERVE_CPU_THREADS": "1"}) == 0
