@@ -108,6 +108,8 @@ class ParallelConfig:
     node_rank: int = key(0, "this host's index among nnodes", min=0)
     master_addr: str = key("127.0.0.1", "address of rank 0's host for the collective runtime")
     master_port: int = key(29500, "port of the collective runtime's rendezvous", min=1, max=65535)
+    cpu_threads: int = key(0, "threads each rank's CPU kernels use; 0: this host's CPUs (its affinity mask) "
+                           "split among its ranks", min=0, max=1024)
 
 
 @dataclass(frozen=True)

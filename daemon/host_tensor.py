@@ -18,7 +18,7 @@ def host_tensor(array: np.ndarray) -> paddle.Tensor:
     """A tensor holding a copy of `array`, on the place `paddle.to_tensor` would use (same shape, 0-d
     included, and same dtype)."""
     array = np.asarray(array, order="C")
-    tensor = paddle.empty(list(array.shape), dtype=array.dtype)
+    tensor = paddle.empty(list(array.shape), dtype=_PADDLE_DTYPE.get(array.dtype, array.dtype))
     # NOTE: Tensor.set_value does the same with more checks; the dense tensor's set is one copy.
     tensor.get_tensor().set(array, _CPU if _CPU_ONLY else _concrete(tensor.place))
     return tensor
@@ -28,6 +28,9 @@ def host_tensor(array: np.ndarray) -> paddle.Tensor:
 # the copy of a step's small index arrays.
 _CPU_ONLY = not paddle.device.is_compiled_with_cuda()
 _CPU = paddle.CPUPlace()
+# NOTE: Paddle's own NumPy-dtype conversion goes through the dtype's name string on every call
+_PADDLE_DTYPE = {np.dtype(name): getattr(paddle, name)
+                 for name in ("float32", "float64", "int32", "int64", "bool", "uint8", "int8", "float16")}
 
 
 def _concrete(place: paddle.base.core.Place) -> paddle.CPUPlace | paddle.CUDAPlace:

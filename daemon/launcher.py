@@ -30,7 +30,7 @@ from structlog.typing import FilteringBoundLogger
 
 from mtpserve import log, preflight
 from mtpserve.config import Config
-from mtpserve.engine.tp_env import local_ranks, rank_environment
+from mtpserve.engine.tp_env import cpu_threads_environment, local_ranks, rank_environment
 from mtpserve.instance import instance_name, runtime_dir, write_config
 from mtpserve.ipc.output_channel import ChannelBusyError, OutputChannel, QueueBudgetError
 from mtpserve.notify import Notifier
@@ -41,8 +41,9 @@ FAILURE_GRACE_S = 2.0
 
 
 def _rank_env(config: Config, rank: int) -> dict | None:
-    """A rank's environment: the collective runtime's (TP) and Mooncake's knobs (PD), else inherited."""
-    extra = {}
+    """A rank's environment: the CPU kernels' threads, the collective runtime's (TP) and Mooncake's
+    knobs (PD), else inherited."""
+    extra = cpu_threads_environment(config.parallel)
     if config.parallel.tensor_parallel_size > 1:
         extra.update(rank_environment(config.parallel, rank))
     if config.pd.role != "mixed":

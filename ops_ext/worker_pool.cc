@@ -122,7 +122,7 @@ int mtp::CpuThreads() {
     int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
                                                               : static_cast<int>(std::thread::hardware_concurrency());
     // NOTE: not OMP_NUM_THREADS: importing Paddle sets it to 1 in every process that left it unset
-    if (const char* wanted = std::getenv("MTPSERVE_CPU_THREADS")) {
+    if (const char* wanted = std::getenv("MTP_CPU_THREADS")) {
       if (std::atoi(wanted) > 0) cpus = std::min(cpus, std::atoi(wanted));
     }
     return std::max(1, cpus);

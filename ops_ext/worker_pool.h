@@ -14,7 +14,8 @@ namespace mtp {
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
 // Threads a ParallelFor call may use, the caller included: the CPUs of this process's affinity mask, at
-// most MTPSERVE_CPU_THREADS when that is set (the launcher sets it per rank under tensor parallelism).
+// most MTP_CPU_THREADS when that is set (the launcher sets it from parallel.cpu_threads, and splits
+// the host among its ranks under tensor parallelism).
 int CpuThreads();
 
 }  // namespace mtp

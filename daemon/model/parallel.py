@@ -57,7 +57,7 @@ class ServingWeight:
     layout on every call; from a cold cache that makes a small-batch projection ~2.5x slower than a
     matmul on an `[in, out]` weight. Serving therefore keeps one transposed copy per projection (the
     checkpoint-layout parameter stays for loading, saving and training), at the cost of that memory.
-    Steps of a few rows use the packed panels instead (model/small_matmul.py says why).
+    On CPU hosts every product uses the packed panels instead (model/small_matmul.py says why).
     """
 
     def __init__(self) -> None:
@@ -76,7 +76,7 @@ class ServingWeight:
                bias: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [N, in] @ weight^T (+ bias), weight in checkpoint layout [out, in] -> [N, out].
         Frozen, `weight` is not read (None will do)."""
-        if self.panels is not None and small_matmul.MIN_ROWS <= x.shape[0] <= small_matmul.MAX_ROWS:
+        if self.panels is not None:
             return small_matmul.matmul(x, self.panels, bias)
         y = paddle.matmul(x, self.t) if self.t is not None else paddle.matmul(x, weight, transpose_y=True)
         return y + bias if bias is not None else y

@@ -1,9 +1,10 @@
-"""Few-row products on CPU hosts: the `mtp_small_matmul` op (ops_ext/small_matmul.cc) and its weights.
+"""Products with packed weights on CPU hosts: the `mtp_small_matmul` op (ops_ext/small_matmul.cc).
 
 A serving weight `[K, N]` is also kept as column panels `[N/32, K, 32]` (a second copy: the memory is
-the price of reading each weight byte once per step). Steps of `MIN_ROWS` to `MAX_ROWS` rows (verify
-passes and drafting at small batch) use the op; one row and larger steps (prefill, large batches) stay
-on Paddle's matmul, which is faster there. GPU hosts never pack: their matmul has no such gap.
+the price of reading each weight byte once per step). Every serving product with a packed weight uses
+the op, whatever its row count: it splits panels over the CPU kernels' worker threads
+(ops_ext/worker_pool.h), while Paddle's matmul runs on one thread in a rank (importing Paddle sets
+OMP_NUM_THREADS=1). GPU hosts never pack: their matmul has no such gap.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from paddle import _C_ops
 from mtpserve.ops import cpu_op_available
 
 PANEL = 32
-# NOTE: measured on a 2-core AMD EPYC host cycling through 16 weights ([M, 256] x [256, 1536]): the op
-# takes 121/121/122/164/169/200 us for 1/2/3/4/6/8 rows against MKL's 68/214/228/233/242/201. One row is
-# MKL's GEMV at its best; from 8 rows MKL's GEMM amortises its packing.
-MIN_ROWS, MAX_ROWS = 2, 6
+# NOTE: measured on a 2-core AMD EPYC host (`[M, 256] x [256, 4096]`, warm): the op took 24/32/141/380/
+# 999/6318 us for 1/3/16/48/128/512 rows against Paddle's matmul's 44/161/474/1331/2056/11201.
 
 
 def available() -> bool:

@@ -22,3 +22,13 @@ def test_every_rank_meets_at_rank_zeros_store():
         assert env["PADDLE_TRAINERS_NUM"] == "4"
         assert env["PADDLE_MASTER"] == "10.0.0.1:6000" == env["PADDLE_TRAINER_ENDPOINTS"].split(",")[0]
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "6000")
+
+
+def test_the_cpu_kernels_threads_are_configured_or_split_among_a_hosts_ranks():
+    from mtpserve.engine.tp_env import CPU_THREADS_VAR, cpu_threads_environment
+
+    assert cpu_threads_environment(ParallelConfig()) == {}  # NOTE: a lone rank takes its affinity mask
+    assert cpu_threads_environment(ParallelConfig(cpu_threads=3)) == {CPU_THREADS_VAR: "3"}
+    two = ParallelConfig(tensor_parallel_size=2)
+    assert cpu_threads_environment(two, cpu_count=8) == {CPU_THREADS_VAR: "4"}
+    assert cpu_threads_environment(two, cpu_count=1) == {CPU_THREADS_VAR: "1"}

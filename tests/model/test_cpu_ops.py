@@ -84,13 +84,13 @@ sys.stdout.buffer.write(small_matmul.matmul(x, panels).numpy().tobytes())
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 def test_a_product_split_over_worker_threads_is_bit_identical_to_one_thread(threads):
-    # NOTE: ops_ext/worker_pool.cc sizes its pool once per process (MTPSERVE_CPU_THREADS, the affinity mask),
+    # NOTE: ops_ext/worker_pool.cc sizes its pool once per process (MTP_CPU_THREADS, the affinity mask),
     # so each count needs its own process; panels are whole per thread, so the bits must not change.
     import subprocess
     import sys
 
     def run(count: str) -> bytes:
-        env = {**os.environ, "MTPSERVE_CPU_THREADS": count}
+        env = {**os.environ, "MTP_CPU_THREADS": count}
         return subprocess.run([sys.executable, "-c", _PRODUCT], env=env, check=True, capture_output=True).stdout
 
     one = run("1")
@@ -148,15 +148,15 @@ print(len(os.listdir("/proc/self/task")) - before)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no workers to start")
 def test_the_kernels_use_every_cpu_of_the_process_by_default():
     # NOTE: importing Paddle sets OMP_NUM_THREADS=1 when it is unset; a pool sized by it silently ran on
-    # one core. The workers follow the affinity mask, and MTPSERVE_CPU_THREADS caps them.
+    # one core. The workers follow the affinity mask, and MTP_CPU_THREADS caps them.
     import subprocess
     import sys
 
     def workers(extra: dict) -> int:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MTPSERVE_CPU_THREADS")}
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MTP_CPU_THREADS")}
         done = subprocess.run([sys.executable, "-c", _THREADS], env={**env, **extra}, check=True,
                               capture_output=True, text=True)
         return int(done.stdout.split()[-1])
 
     assert workers({}) == len(os.sched_getaffinity(0)) - 1
-    assert workers({"MTPSERVE_CPU_THREADS": "1"}) == 0
+    assert workers({"MTP_CPU_THREADS": "1"}) == 0
