@@ -1,18 +1,19 @@
-// mtp_small_matmul: y[M, N] = x[M, K] @ W + bias for the few rows of a decode or verify step on a CPU
-// host, with W pre-packed as [N/32, K, 32] (column panels of 32, each a contiguous stream).
+// mtp_small_matmul: y[M, N] = x[M, K] @ W + bias on a CPU host, with W pre-packed as [N/32, K, 32]
+// (column panels of 32, each a contiguous stream). Also mtp::PanelMatmul for other kernels.
 //
-// WHY: a batch-1 step with k drafts multiplies k+1 rows by every weight. Paddle's CPU matmul (MKL) is
-// fast for one row (a GEMV) and for many, but for 2 to 6 rows its GEMM path packs the weight on every
-// call: on a 2-core AMD EPYC host a [3, 256] x [256, 1536] product from a cold cache took ~200 us against
-// ~70 us for one row. Here each weight byte comes from memory once whatever M is, so a few rows cost
-// little more than one, and the verify pass of speculative decoding stops paying per draft for weight
-// traffic.
+// WHY: a batch-1 step with k drafts multiplies k+1 rows by every weight. Paddle's CPU matmul (MKL) packs
+// the weight on every GEMM call, and runs on one thread in a rank: on a 2-core AMD EPYC host a
+// [3, 256] x [256, 1536] product from a cold cache took ~200 us against ~70 us for one row. Here each
+// weight byte comes from memory once per three rows, so a few rows cost little more than one and the
+// verify pass of speculative decoding stops paying per draft for weight traffic; large products split
+// their panels over the CPU kernels' workers (worker_pool.h), which beat MKL at every row count measured.
 //
 // Each output row is summed in the same order (bias, then k ascending, one chain per column) whatever
-// M is and whichever tile it falls in, so a row's result does not depend on how many rows share the
-// call: greedy decoding with and without drafts computes the same logits for the same position.
+// M is, whichever tile it falls in and whichever thread computes its panel, so a row's result does not
+// depend on how many rows share the call: greedy decoding with and without drafts computes the same
+// logits for the same position.
 //
-// Python wrapper: mtpserve.model.small_matmul (it packs weights and decides when this op is used).
+// Python wrapper: mtpserve.model.small_matmul (it packs weights).
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
