@@ -9,7 +9,7 @@ STAMPS := .stamps
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
-OP_SOURCES := $(wildcard ops_ext/*.cc ops_ext/*.h ops_ext/*.cu)
+OP_SOURCES := $(wildcard ops_ext/*.cc ops_ext/*.h ops_ext/*.inc ops_ext/*.cu)
 
 .PHONY: serve test typecheck install system clean
 .DELETE_ON_ERROR:

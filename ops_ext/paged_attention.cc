@@ -19,9 +19,9 @@
 //
 // Speed: the (request, KV head) groups are independent; a large call spreads them over a small pool of
 // worker threads (one per extra CPU), each group whole on one thread, so results do not depend on the
-// thread count. The dot products keep 16 partial sums, which the compiler turns into vector lanes
-// (x86-64: AVX-512, AVX2 or SSE clones chosen at load time), since float sums are not reassociated
-// without them.
+// thread count. The dot products keep 16 partial sums as two 8-float vectors (float sums are not
+// reassociated without them), compiled for AVX2 and for the baseline and picked when first called
+// (attend_group.inc).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,21 +39,7 @@ namespace {
 
 using mtp::Cache;
 
-
-
-constexpr int kLanes = 16;
-
-inline float Dot(const float* a, const float* b, int64_t d) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  for (; i < d; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
+constexpr int kLanes = 16;  // partial sums of a dot product (attend_group.inc)
 
 // Below this many multiply-adds a call runs on the calling thread: waking a worker costs more.
 constexpr double kParallelWork = 1 << 20;
@@ -67,57 +53,30 @@ void KeyRows(const int32_t* table, int64_t n, const Cache& c, std::vector<int64_
   }
 }
 
-// One request and one KV head: the `group` query heads of its `nq` tokens.
-MTP_VECTOR_CLONES
-void AttendGroup(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* positions,
-                 int64_t nq, int64_t group, int64_t kvh, const int32_t* table, int64_t num_keys, const Cache& c) {
-  thread_local std::vector<float> scores, acc;
-  thread_local std::vector<int64_t> key_rows, seen;
-  const int64_t d = c.dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const int64_t rows = nq * group;
-  seen.resize(static_cast<size_t>(rows));  // keys each query row sees
-  int64_t max_seen = 0;
-  for (int64_t t = 0, r = 0; t < nq; ++t)
-    for (int64_t g = 0; g < group; ++g, ++r) {
-      seen[r] = std::max<int64_t>(0, std::min(num_keys, positions[t] + 1));
-      max_seen = std::max(max_seen, seen[r]);
-    }
-  KeyRows(table, max_seen, c, key_rows);
-  scores.assign(static_cast<size_t>(rows * max_seen), 0.0f);
-  // 1. scores: each key row is read once and dotted with every query row that may see it
-  for (int64_t j = 0; j < max_seen; ++j) {
-    const float* kj = c.k + (key_rows[j] + kvh) * d;
-    for (int64_t t = 0, r = 0; t < nq; ++t) {
-      const float* qt = q + t * q_stride + kvh * group * d;
-      for (int64_t g = 0; g < group; ++g, ++r)
-        if (j < seen[r]) scores[r * max_seen + j] = Dot(qt + g * d, kj, d) * scale;
-    }
-  }
-  // 2. softmax per query row over its visible keys, 3. the weighted sum of value rows
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * max_seen;
-    const int64_t n = seen[r];
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-    for (int64_t j = 0; j < n; ++j) s[j] = mtp::ExpNonPositive(s[j] - m);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += s[j];
-    const float inv = n > 0 ? 1.0f / sum : 0.0f;
-    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-  }
-  acc.assign(static_cast<size_t>(rows * d), 0.0f);
-  for (int64_t j = 0; j < max_seen; ++j) {
-    const float* vj = c.v + (key_rows[j] + kvh) * d;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j >= seen[r]) continue;
-      const float w = scores[r * max_seen + j];
-      float* a = acc.data() + r * d;
-      for (int64_t i = 0; i < d; ++i) a[i] += w * vj[i];
-    }
-  }
-  for (int64_t t = 0; t < nq; ++t)
-    std::copy_n(acc.data() + t * group * d, group * d, out + t * out_stride + kvh * group * d);
+}  // namespace
+
+// NOTE: attend_group.inc says why it is compiled twice.
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace attend_avx2 {
+#include "attend_group.inc"
+}  // namespace attend_avx2
+#pragma GCC pop_options
+#endif
+namespace attend_baseline {
+#include "attend_group.inc"
+}  // namespace attend_baseline
+
+namespace {
+
+using AttendGroupFn = decltype(&attend_baseline::AttendGroup);
+
+AttendGroupFn PickAttendGroup() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2::AttendGroup;
+#endif
+  return attend_baseline::AttendGroup;
 }
 
 }  // namespace
@@ -135,7 +94,8 @@ void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
     const int64_t first = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - first;
     if (nq == 0) return;
     const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size));
-    AttendGroup(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride, a.out_stride,
+    static const AttendGroupFn attend_group = PickAttendGroup();
+    attend_group(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride, a.out_stride,
                 a.positions + first, nq, group, kvh, a.block_tables + b * a.max_blocks, num_keys, c);
   };
   const int64_t items = a.num_seqs * kv_heads;
