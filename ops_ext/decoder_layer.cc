@@ -20,7 +20,13 @@
 //   k_cache, v_cache [S, KVH, D]: written in place (outputs k_out, v_out)
 //   block_tables, cu_seqlens_q, seq_lens_kv: as mtp_paged_attention takes them
 //   out_rows        [N] int64 or absent: only these tokens' outputs are wanted (the MLP runs on them alone)
-// Output: [T or N, H], the block's output (residual stream after the MLP).
+//   An MTP layer's block also takes its input stage, so that a draft depth is one call too:
+//   token_ids       [T] int64: x is then the previous depth's hidden, and the block's input is
+//                   norm(x; hidden_norm) @ hidden_panels + token_table[token_ids] (the token half of
+//                   input_proj, tabulated; zero at position 0 when zero_position_zero)
+//   final_norm      [H] or absent: also return the output normalised by it
+// Outputs: [T or N, H], the block's output (residual stream after the MLP); [T or N, H] its final norm
+// ([0, H] without final_norm).
 //
 // Every row is computed the same way whatever rows share the call (the panel product and the attention
 // both keep that property), so a token's logits do not depend on its batch.
@@ -105,8 +111,10 @@ std::vector<paddle::Tensor> DecoderLayer(
     const paddle::Tensor& gate_up_panels, const paddle::Tensor& down_panels, const paddle::Tensor& cos_table,
     const paddle::Tensor& sin_table, const paddle::Tensor& positions, const paddle::Tensor& write_slots,
     paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
-    const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv, const OptTensor& out_rows, int heads,
-    float eps, int block_size) {
+    const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv, const OptTensor& out_rows,
+    const OptTensor& token_ids, const OptTensor& token_table, const OptTensor& hidden_norm,
+    const OptTensor& hidden_panels, const OptTensor& final_norm, int heads, float eps, int block_size,
+    bool zero_position_zero) {
   PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
            "x must be a float32 CPU tensor [T, H]");
   const mtp::Cache cache = mtp::CheckedCache(k_cache, v_cache, heads, block_size);
@@ -132,7 +140,7 @@ std::vector<paddle::Tensor> DecoderLayer(
   PD_CHECK(write_slots.dtype() == paddle::DataType::INT64 && write_slots.numel() == s.tokens,
            "write_slots must be int64 [T]");
   const paddle::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-  const float* xd = xc.data<float>();
+  const float* xd = xc.data<float>();  // NOTE: an MTP layer replaces it by its input (step 0)
   const int64_t* slots = write_slots.data<int64_t>();
 
   int64_t rows = s.tokens;
@@ -158,9 +166,36 @@ std::vector<paddle::Tensor> DecoderLayer(
              " is outside the rotary tables");
   paddle::Tensor out = paddle::empty({rows, s.hidden}, paddle::DataType::FLOAT32, x.place());
   float* od = out.data<float>();
+  const float* final_w = final_norm ? CheckedVector(*final_norm, s.hidden, "final_norm") : nullptr;
+  paddle::Tensor normed_out =
+      paddle::empty({final_w != nullptr ? rows : 0, s.hidden}, paddle::DataType::FLOAT32, x.place());
+  normed.resize(static_cast<size_t>(s.tokens * s.hidden));
+
+  // 0. an MTP layer's input (x holds the previous depth's hidden):
+  //    x = norm(x) @ W_hidden + table[token], the token half of input_proj tabulated (model/mtp_layer.py)
+  thread_local std::vector<float> mtp_in;
+  if (token_ids) {
+    PD_CHECK(token_table && hidden_norm && hidden_panels, "an MTP input needs token_table, hidden_norm and hidden_panels");
+    PD_CHECK(token_ids->dtype() == paddle::DataType::INT64 && token_ids->numel() == s.tokens,
+             "token_ids must be int64 [T]");
+    PD_CHECK(token_table->shape().size() == 2 && token_table->shape()[1] == s.hidden, "token_table must be [V, H]");
+    const float* table = CheckedVector(*token_table, token_table->numel(), "token_table");
+    const int64_t* ids = token_ids->data<int64_t>();
+    for (int64_t t = 0; t < s.tokens; ++t)
+      PD_CHECK(ids[t] >= 0 && ids[t] < token_table->shape()[0], "a token id is outside the token table");
+    const Panels hidden_w = CheckedPanels(*hidden_panels, s.hidden, "hidden_panels");
+    PD_CHECK(hidden_w.n == s.hidden, "hidden_panels must produce H columns");
+    mtp_in.resize(static_cast<size_t>(s.tokens * s.hidden));
+    mtp::RmsNormRows(xd, CheckedVector(*hidden_norm, s.hidden, "hidden_norm"), normed.data(), s.tokens, s.hidden, eps);
+    Multiply(normed.data(), s.tokens, hidden_w, nullptr, mtp_in.data());
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      if (zero_position_zero && batch.positions[t] == 0) continue;  // NOTE: the token half is zero there
+      AddInto(mtp_in.data() + t * s.hidden, table + ids[t] * s.hidden, s.hidden);
+    }
+    xd = mtp_in.data();
+  }
 
   // 1. q, k, v of every token, rotated
-  normed.resize(static_cast<size_t>(s.tokens * s.hidden));
   mtp::RmsNormRows(xd, norm1, normed.data(), s.tokens, s.hidden, eps);
   Multiply(normed.data(), s.tokens, qkv, bias, qkv_out.data());
   const int64_t* pos = batch.positions;
@@ -196,7 +231,8 @@ std::vector<paddle::Tensor> DecoderLayer(
   SwiGlu(gate_up_out.data(), act.data(), rows, s.inter);
   Multiply(act.data(), rows, down, nullptr, od);
   AddInto(od, h.data(), rows * s.hidden);
-  return {out};
+  if (final_w != nullptr) mtp::RmsNormRows(od, final_w, normed_out.data<float>(), rows, s.hidden, eps);
+  return {out, normed_out};
 }
 
 std::vector<std::vector<int64_t>> DecoderLayerShape(
@@ -207,8 +243,13 @@ std::vector<std::vector<int64_t>> DecoderLayerShape(
     const std::vector<int64_t>& sin_table, const std::vector<int64_t>& positions,
     const std::vector<int64_t>& write_slots, const std::vector<int64_t>& k_cache, const std::vector<int64_t>& v_cache,
     const std::vector<int64_t>& block_tables, const std::vector<int64_t>& cu_seqlens_q,
-    const std::vector<int64_t>& seq_lens_kv, const paddle::optional<std::vector<int64_t>>& out_rows) {
-  return {{out_rows ? (*out_rows)[0] : x[0], x[1]}};
+    const std::vector<int64_t>& seq_lens_kv, const paddle::optional<std::vector<int64_t>>& out_rows,
+    const paddle::optional<std::vector<int64_t>>& token_ids, const paddle::optional<std::vector<int64_t>>& token_table,
+    const paddle::optional<std::vector<int64_t>>& hidden_norm,
+    const paddle::optional<std::vector<int64_t>>& hidden_panels,
+    const paddle::optional<std::vector<int64_t>>& final_norm) {
+  const int64_t rows = out_rows ? (*out_rows)[0] : x[0];
+  return {{rows, x[1]}, {final_norm ? rows : 0, x[1]}};
 }
 
 std::vector<paddle::DataType> DecoderLayerDtype(
@@ -218,8 +259,10 @@ std::vector<paddle::DataType> DecoderLayerDtype(
     const paddle::DataType& cos_table, const paddle::DataType& sin_table, const paddle::DataType& positions,
     const paddle::DataType& write_slots, const paddle::DataType& k_cache, const paddle::DataType& v_cache,
     const paddle::DataType& block_tables, const paddle::DataType& cu_seqlens_q, const paddle::DataType& seq_lens_kv,
-    const paddle::optional<paddle::DataType>& out_rows) {
-  return {paddle::DataType::FLOAT32};
+    const paddle::optional<paddle::DataType>& out_rows, const paddle::optional<paddle::DataType>& token_ids,
+    const paddle::optional<paddle::DataType>& token_table, const paddle::optional<paddle::DataType>& hidden_norm,
+    const paddle::optional<paddle::DataType>& hidden_panels, const paddle::optional<paddle::DataType>& final_norm) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
 }
 
 }  // namespace
@@ -227,10 +270,12 @@ std::vector<paddle::DataType> DecoderLayerDtype(
 PD_BUILD_OP(mtp_decoder_layer)
     .Inputs({"x", "input_norm", "qkv_panels", paddle::Optional("qkv_bias"), "o_panels", "post_norm",
              "gate_up_panels", "down_panels", "cos_table", "sin_table", "positions", "write_slots", "k_cache",
-             "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", paddle::Optional("out_rows")})
-    .Outputs({"out", "k_out", "v_out"})
+             "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", paddle::Optional("out_rows"),
+             paddle::Optional("token_ids"), paddle::Optional("token_table"), paddle::Optional("hidden_norm"),
+             paddle::Optional("hidden_panels"), paddle::Optional("final_norm")})
+    .Outputs({"out", "normed_out", "k_out", "v_out"})
     .SetInplaceMap({{"k_cache", "k_out"}, {"v_cache", "v_out"}})
-    .Attrs({"heads: int", "eps: float", "block_size: int"})
+    .Attrs({"heads: int", "eps: float", "block_size: int", "zero_position_zero: bool"})
     .SetKernelFn(PD_KERNEL(DecoderLayer))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayerDtype));

@@ -22,6 +22,7 @@ from paddle import _C_ops
 
 from mtpserve.model.attention_context import AttentionContext, PagedContext
 from mtpserve.model.decoder_layer import MLP, Attention
+from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.rotary import RotaryEmbedding
 from mtpserve.ops import cpu_op_available
@@ -65,11 +66,33 @@ class FusedBlocks:
               out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [T, H] -> the block's output [T, H] (or [N, H] for out_rows [N], increasing token indices:
         every token's K/V is written, the MLP runs on those rows only)."""
+        return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, False)[0]
+
+    def mtp_depth(self, mtp: MTPLayer, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, layer: int,
+                  out_rows: paddle.Tensor | None, zero_position_zero: bool) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """An MTP layer in one call, its input stage included (see MTPLayer.forward): token_ids [T],
+        prev_hidden [T, H] -> (its hidden before final_layernorm, after it), each [T or N, H]."""
+        tokens = mtp.tokens
+        extra = (token_ids, tokens.table, mtp.hidden_layernorm.weight, tokens.hidden.panels,
+                 mtp.final_layernorm.weight)
+        out = self._call(mtp, prev_hidden, layer, out_rows, extra, zero_position_zero)
+        return out[0], out[1]
+
+    def _call(self, blk: DenseBlock, x: paddle.Tensor, layer: int, out_rows: paddle.Tensor | None,
+              mtp_input: tuple, zero_position_zero: bool) -> list[paddle.Tensor]:
         weights, eps, heads = _weights_of(blk)
-        out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
+        return _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
             OP, x, *weights, *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
-            heads, eps, self._kv.block_size)
-        return out[0]
+            *mtp_input, heads, eps, self._kv.block_size, zero_position_zero)
+
+
+_NO_MTP_INPUT = (None, None, None, None, None)
+
+
+def serves_mtp_input(mtp: MTPLayer) -> bool:
+    """The MTP layer's input stage can run inside the op: its token table and hidden half are built
+    (eval mode) and packed."""
+    return mtp.tokens.table is not None and mtp.tokens.hidden.panels is not None
 
 
 def serves(blk: DenseBlock) -> bool:

@@ -17,7 +17,7 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import DecoderLayer, ServingModelLayer, serving_weights
 from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
-from mtpserve.model.fused_layer import FusedBlocks
+from mtpserve.model.fused_layer import FusedBlocks, serves_mtp_input
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model.norm import RMSNorm
@@ -147,8 +147,12 @@ class MiMoForCausalLM(ServingModelLayer):
         layer = self.model.mtp_layers[layer_index]
         assert isinstance(layer, MTPLayer)
         kv_index = layer_index if kv_layer is None else kv_layer
-        keep = (positions != 0).astype(prev_hidden.dtype).unsqueeze(-1) if self.config.mtp_zero_position_zero else None
         fused = FusedBlocks.of(ctx, self.rotary, layer, self.tp.size)
+        if fused is not None and serves_mtp_input(layer):  # NOTE: a CPU host: the whole depth is one op
+            x, normed = fused.mtp_depth(layer, token_ids, prev_hidden, kv_index, out_rows,
+                                        self.config.mtp_zero_position_zero)
+            return MTPOutput(hidden_states=normed, mtp_hidden=x)
+        keep = (positions != 0).astype(prev_hidden.dtype).unsqueeze(-1) if self.config.mtp_zero_position_zero else None
         if fused is not None:
             x = fused.block(layer, layer.project_inputs(token_ids, self.model.embed_tokens, prev_hidden, keep),
                             kv_index, out_rows)

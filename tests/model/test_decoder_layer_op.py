@@ -80,7 +80,7 @@ def run_op(block: Block, step: dict, out_rows=None, slots=None):
             k_cache, v_cache, paddle.to_tensor(step["tables"]), paddle.to_tensor(step["cu"]),
             paddle.to_tensor(step["lens"]), None if out_rows is None else paddle.to_tensor(out_rows)]
     out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
-        fused_layer.OP, *args, block.heads, EPS, BS)[0]
+        fused_layer.OP, *args, None, None, None, None, None, block.heads, EPS, BS, False)[0]
     return out.numpy(), k_cache.numpy(), v_cache.numpy()
 
 
@@ -184,3 +184,24 @@ def test_serving_a_packed_shape_takes_the_fused_path():
     assert fused_layer.FusedBlocks.of(ctx, model.rotary, first, 2) is None
     model.train()
     assert fused_layer.FusedBlocks.of(ctx, model.rotary, first, 1) is None
+
+
+@pytest.mark.parametrize("zero_position_zero", [False, True])
+def test_an_mtp_depth_in_one_call_matches_the_paddle_op_path(zero_position_zero):
+    # NOTE: the dense context takes the Paddle-op path (project_inputs, the block, final_layernorm); the
+    # paged one runs the whole depth, its input stage included, as one op.
+    from mtpserve.model.attention_context import DenseCausalContext
+
+    model = make_model(3, **PACKED, mtp_zero_position_zero=zero_position_zero)
+    c = model.config
+    n = 9
+    ids = np.random.default_rng(4).integers(1, c.vocab_size, n + 1)
+    kv = model.allocate_kv(c.num_hidden_layers, 8, 4)
+    mtp_kv = model.allocate_kv(c.num_nextn_predict_layers, 8, 4)
+    batch = pack([Window(ids=ids[:n].tolist(), start=0, blocks=[0, 1, 2])], block_size=4, max_blocks=4)
+    hidden = model.forward(batch, kv).mtp_hidden
+    shifted = paddle.to_tensor(ids[1:].astype(np.int64))
+    fused = model.mtp_forward(0, batch, shifted, hidden, mtp_kv)
+    dense = model.run_mtp(0, shifted, hidden, paddle.arange(n, dtype="int64"), DenseCausalContext(1, n))
+    np.testing.assert_allclose(fused.mtp_hidden.numpy(), dense.mtp_hidden.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fused.hidden_states.numpy(), dense.hidden_states.numpy(), rtol=1e-4, atol=1e-4)
