@@ -43,9 +43,10 @@ FAILURE_GRACE_S = 2.0
 def _rank_env(config: Config, rank: int) -> dict | None:
     """A rank's environment: the CPU kernels' threads, the collective runtime's (TP) and Mooncake's
     knobs (PD), else inherited."""
-    extra = cpu_threads_environment(config.parallel)
+    extra = {}
     if config.parallel.tensor_parallel_size > 1:
         extra.update(rank_environment(config.parallel, rank))
+    extra.update(cpu_threads_environment(config.parallel))
     if config.pd.role != "mixed":
         from mtpserve.pd.kv_transfer import mooncake_environment
 

@@ -39,7 +39,8 @@ class Pool {
   }
 
   void Run(int64_t n, const std::function<void(int64_t)>& fn) {
-    if (workers_ == 0 || n < 2) {
+    // NOTE: an item that calls ParallelFor itself runs it inline: the pool takes one call at a time
+    if (workers_ == 0 || n < 2 || in_item_) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
@@ -57,7 +58,15 @@ class Pool {
     }
     wake_.notify_all();
     Work(gen, fn, n);
-    while (done_.load(std::memory_order_acquire) < n) MTP_PAUSE();
+    // NOTE: a worker descheduled mid-item (the cores are shared with the HTTP process) would keep a pure
+    // spin busy for its whole time slice: after a while, give the core away between checks
+    for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 4096) {
+        MTP_PAUSE();
+      } else {
+        std::this_thread::yield();
+      }
+    }
   }
 
  private:
@@ -74,7 +83,9 @@ class Pool {
         i = static_cast<int64_t>(t & kIndexMask);
         if ((t >> kIndexBits) != gen || i >= n) return;
       } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
+      in_item_ = true;
       fn(i);
+      in_item_ = false;
       done_.fetch_add(1, std::memory_order_release);
     }
   }
@@ -104,6 +115,7 @@ class Pool {
     return generation_.load(std::memory_order_acquire);
   }
 
+  static thread_local bool in_item_;
   const int workers_;
   std::mutex call_mu_, sleep_mu_;
   std::condition_variable wake_;
@@ -113,6 +125,8 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<uint64_t> generation_{0};
 };
+
+thread_local bool Pool::in_item_ = false;
 
 }  // namespace
 

@@ -41,19 +41,16 @@ def rank_environment(parallel: ParallelConfig, rank: int, cpu_count: int | None 
         # NOTE: rank 0 serves step plans on a socket of its own, above the ports of the rendezvous.
         PLAN_ENDPOINT_VAR: f"{parallel.master_addr}:{parallel.master_port + size}",
     }
-    if size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # NOTE: ranks sharing a host split its cores instead of each spawning a thread per core.
-        env["OMP_NUM_THREADS"] = str(max(1, (cpu_count or os.cpu_count() or 1) // len(local)))
+    share = str(max(1, (cpu_count or len(os.sched_getaffinity(0)) or 1) // len(local)))
+    # NOTE: ranks sharing a host split its cores instead of each spawning a thread per core: Paddle's
+    # OpenMP kernels read OMP_NUM_THREADS, our CPU kernels' workers CPU_THREADS_VAR (ops_ext/worker_pool.h).
+    for var in ("OMP_NUM_THREADS", CPU_THREADS_VAR):
+        if size > 1 and var not in os.environ:
+            env[var] = share
     return env
 
 
-def cpu_threads_environment(parallel: ParallelConfig, cpu_count: int | None = None) -> dict[str, str]:
-    """The CPU kernels' thread count for each of this host's ranks (ops_ext/worker_pool.h): the
-    configured one, else the host's CPUs split among its ranks (nothing to say for a lone rank: the
-    kernels take every CPU of the affinity mask themselves)."""
-    local = len(local_ranks(parallel))
-    if parallel.cpu_threads > 0:
-        return {CPU_THREADS_VAR: str(parallel.cpu_threads)}
-    if local > 1:
-        return {CPU_THREADS_VAR: str(max(1, (cpu_count or len(os.sched_getaffinity(0)) or 1) // local))}
-    return {}
+def cpu_threads_environment(parallel: ParallelConfig) -> dict[str, str]:
+    """`parallel.cpu_threads` for every rank's CPU kernels, when it is set (it overrides the split of
+    `rank_environment`; unset, a lone rank takes every CPU of its affinity mask)."""
+    return {CPU_THREADS_VAR: str(parallel.cpu_threads)} if parallel.cpu_threads > 0 else {}

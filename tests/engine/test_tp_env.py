@@ -24,11 +24,13 @@ def test_every_rank_meets_at_rank_zeros_store():
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "6000")
 
 
-def test_the_cpu_kernels_threads_are_configured_or_split_among_a_hosts_ranks():
+def test_the_cpu_kernels_threads_are_configured_or_split_among_a_hosts_ranks(monkeypatch):
     from mtpserve.engine.tp_env import CPU_THREADS_VAR, cpu_threads_environment
 
+    monkeypatch.delenv(CPU_THREADS_VAR, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_threads_environment(ParallelConfig()) == {}  # NOTE: a lone rank takes its affinity mask
     assert cpu_threads_environment(ParallelConfig(cpu_threads=3)) == {CPU_THREADS_VAR: "3"}
     two = ParallelConfig(tensor_parallel_size=2)
-    assert cpu_threads_environment(two, cpu_count=8) == {CPU_THREADS_VAR: "4"}
-    assert cpu_threads_environment(two, cpu_count=1) == {CPU_THREADS_VAR: "1"}
+    assert rank_environment(two, 0, cpu_count=8)[CPU_THREADS_VAR] == "4"
+    assert rank_environment(two, 1, cpu_count=1)[CPU_THREADS_VAR] == "1"

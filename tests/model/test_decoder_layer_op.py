@@ -14,6 +14,7 @@ from mtpserve.model.decoder_layer import DecoderLayer
 from mtpserve.model.rotary import RotaryEmbedding
 from model_fixtures import PACKED, Window, make_model, pack
 from numpy_reference import rms_norm, rope
+from test_paged_attention import make as make_attention
 from test_paged_attention import reference as attention_reference
 
 pytestmark = pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU op")
@@ -44,25 +45,15 @@ class Block:
 
 
 def make_step(seed, new_tokens, cached, hidden=64, kv_heads=2, dim=16, num_blocks=40):
-    """Cache rows filled with random K/V for the cached tokens, and the step's x, positions and slots."""
-    gen = np.random.default_rng(seed)
-    rows = (num_blocks + 1) * BS
-    k_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
-    v_cache = gen.standard_normal((rows, kv_heads, dim)).astype(np.float32)
-    lens = [c + n for c, n in zip(cached, new_tokens)]
-    max_blocks = max(-(-n // BS) for n in lens) + 1
-    free = list(gen.permutation(num_blocks))
-    tables = np.full((len(lens), max_blocks), -1, np.int32)
-    for b, n in enumerate(lens):
-        for i in range(-(-n // BS)):
-            tables[b, i] = free.pop()
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new_tokens)]).astype(np.int64)
+    """Cache rows filled with random K/V for the cached tokens (test_paged_attention's layout), and the
+    step's x, positions and slots."""
+    _, k_cache, v_cache, tables, cu, lens, positions = make_attention(seed, new_tokens, cached, kv_heads, kv_heads,
+                                                                      dim, num_blocks)
     row_of = np.repeat(np.arange(len(lens)), new_tokens)
-    slots = (tables[row_of, positions // BS].astype(np.int64) * BS + positions % BS)
-    cu = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
-    x = gen.standard_normal((int(cu[-1]), hidden)).astype(np.float32)
-    return dict(x=x, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=np.asarray(lens, np.int32),
-                positions=positions, slots=slots)
+    slots = tables[row_of, positions // BS].astype(np.int64) * BS + positions % BS
+    x = np.random.default_rng(seed + 1).standard_normal((int(cu[-1]), hidden)).astype(np.float32)
+    return dict(x=x, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=lens, positions=positions,
+                slots=slots)
 
 
 ROTARY = RotaryEmbedding(16, 10000.0, 256)
