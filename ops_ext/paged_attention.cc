@@ -19,9 +19,9 @@
 //
 // Speed: the (request, KV head) groups are independent; a large call spreads them over a small pool of
 // worker threads (one per extra CPU), each group whole on one thread, so results do not depend on the
-// thread count. The dot products keep 16 partial sums as two 8-float vectors (float sums are not
-// reassociated without them), compiled for AVX2 and for the baseline and picked when first called
-// (attend_group.inc).
+// thread count. Keys go in blocks of 8 whose dot products one query row finishes together with a tree
+// of vector adds, and values are summed a block at a time into the row's output; compiled for AVX2
+// and for the baseline and picked when first called (attend_group.inc).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,8 +38,6 @@
 namespace {
 
 using mtp::Cache;
-
-constexpr int kLanes = 16;  // partial sums of a dot product (attend_group.inc)
 
 // Below this many multiply-adds a call runs on the calling thread: waking a worker costs more.
 constexpr double kParallelWork = 1 << 20;
