@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class EngineSetup:
         wake = asyncio.Event()
         core = build_core(model, config, tp, channel, wake)
         warm_up(core)
+        freeze_heap()
         output = OutputChannel.attach(instance_name(config))
         sender = OutputSender(output.address, rank=rank, vocab_size=core.runner.vocab_size,
                               max_pending_bytes=config.ipc.max_pending_bytes)
@@ -99,6 +101,17 @@ def warm_up(core: EngineCore) -> None:
     core.reset_prefix_cache()
     core.scheduler.prefix_cache_queries = core.scheduler.prefix_cache_hits = 0
     core.take_prefix_hits()
+
+
+def freeze_heap() -> None:
+    """Move everything loading and warming up made out of the collector's sight (gc.freeze).
+
+    NOTE: a rank holds a few hundred thousand long-lived objects (the model's parameters and modules,
+    Paddle's and NumPy's modules); each full collection walked them all, in the step's thread,
+    while the other thread waited for the GIL. Steps make short-lived objects only, which the young
+    generations still collect."""
+    gc.collect()
+    gc.freeze()
 
 
 def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16), num_windows: int = 8) -> None:

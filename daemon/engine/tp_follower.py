@@ -15,6 +15,7 @@ from pathlib import Path
 from mtpserve import log
 from mtpserve.config import Config
 from mtpserve.lifecycle import exit_now
+from mtpserve.engine.rank_setup import freeze_heap
 from mtpserve.engine.tp_factory import build_follower_runner
 from mtpserve.engine.tp_plan_channel import PlanChannel
 from mtpserve.model.loader import load_serving_model
@@ -26,6 +27,7 @@ STOP_WAIT_S = 5.0
 async def serve_follower(config: Config, model_dir: Path, tp: TensorParallel, stop: asyncio.Event) -> int:
     logger = log.get_logger("mtpserve.engine")
     runner = build_follower_runner(load_serving_model(model_dir, tp), PlanChannel(tp), config.engine, config.speculative)
+    freeze_heap()
     logger.info("following rank 0", rank=tp.rank, kv_blocks=runner.config.num_blocks)
     follow = asyncio.wrap_future(runner.follow())
     stopped = asyncio.ensure_future(stop.wait())
