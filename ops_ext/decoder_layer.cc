@@ -17,7 +17,8 @@
 //   down_panels     [H / 32, I, 32]
 //   cos_table       [P, D] cos(p f) for every position p; sin_table [P, D] the sine with rotate-half's sign
 //   positions       [T] int64; write_slots [T] int64: the cache row of each token's K/V (-1: not written)
-//   k_cache, v_cache [S, KVH, D]: written in place (outputs k_out, v_out)
+//   k_cache, v_cache [S, KVH, D] float32 or float16: written in place (outputs k_out, v_out), rounded to
+//                   the cache's dtype
 //   block_tables, cu_seqlens_q, seq_lens_kv: as mtp_paged_attention takes them
 //   out_rows        [N] int64 or absent: only these tokens' outputs are wanted (the MLP runs on them alone)
 //   An MTP layer's block also takes its input stage, so that a draft depth is one call too:
@@ -205,13 +206,11 @@ std::vector<paddle::Tensor> DecoderLayer(
   }
   // 2. this step's K/V into the cache, then attention over it
   const int64_t kv_row = s.kv_heads * s.dim;
-  float* k_rows = k_cache.data<float>();
-  float* v_rows = v_cache.data<float>();
   for (int64_t t = 0; t < s.tokens; ++t) {
     if (slots[t] < 0) continue;
     const float* kt = qkv_out.data() + t * s.qkv_width + s.heads * s.dim;
-    std::memcpy(k_rows + slots[t] * kv_row, kt, sizeof(float) * kv_row);
-    std::memcpy(v_rows + slots[t] * kv_row, kt + kv_row, sizeof(float) * kv_row);
+    mtp::StoreRow(k_cache.data(), cache.half, slots[t] * kv_row, kt, kv_row);
+    mtp::StoreRow(v_cache.data(), cache.half, slots[t] * kv_row, kt + kv_row, kv_row);
   }
   mtp::PagedAttend(batch, cache);
 

@@ -8,7 +8,7 @@
 //
 // Inputs (T new tokens of B requests, the cache holds S rows of KVH heads of D floats):
 //   q            [T, H, D] float32
-//   k_cache      [S, KVH, D] float32, v_cache the same
+//   k_cache      [S, KVH, D] float32 or float16, v_cache the same
 //   block_tables [B, M] int32: cache blocks of each request; an entry < 0 reads the scratch block
 //   cu_seqlens_q [B+1] int32: request b owns tokens cu[b] .. cu[b+1]-1
 //   seq_lens_kv  [B] int32: keys 0 .. seq_lens_kv[b]-1 hold KV (this step's tokens included)
@@ -27,6 +27,9 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -56,28 +59,86 @@ void KeyRows(const int32_t* table, int64_t n, const Cache& c, std::vector<int64_
 // NOTE: attend_group.inc says why it is compiled twice.
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
+#define MTP_ATTEND_F16C 1
 namespace attend_avx2 {
 #include "attend_group.inc"
 }  // namespace attend_avx2
+#undef MTP_ATTEND_F16C
 #pragma GCC pop_options
 #endif
+#define MTP_ATTEND_F16C 0
 namespace attend_baseline {
 #include "attend_group.inc"
 }  // namespace attend_baseline
+#undef MTP_ATTEND_F16C
 
 namespace {
 
-using AttendGroupFn = decltype(&attend_baseline::AttendGroup);
+template <typename T>
+using AttendGroupFn = decltype(&attend_baseline::AttendGroup<T>);
 
-AttendGroupFn PickAttendGroup() {
+bool HasAvx2() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2::AttendGroup;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
 #endif
-  return attend_baseline::AttendGroup;
+}
+
+template <typename T>
+AttendGroupFn<T> PickAttendGroup() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (HasAvx2()) return attend_avx2::AttendGroup<T>;
+#endif
+  return attend_baseline::AttendGroup<T>;
 }
 
 }  // namespace
+
+float mtp::HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
+  } else {
+    const float sub = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
+    std::memcpy(&bits, &sub, sizeof bits);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+uint16_t mtp::FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return sign | 0x7e00u;  // nan
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and above round to inf
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half, m * 2^-24 with m rounded to even
+    float scaled;
+    std::memcpy(&scaled, &x, sizeof scaled);
+    return sign | static_cast<uint16_t>(std::nearbyint(scaled * 16777216.0f));
+  }
+  // a normal half: rebias the exponent (127 - 15 = 112), round the mantissa's 13 dropped bits to even
+  const uint32_t rounded = x + 0xfffu + ((x >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+}
+
+void mtp::StoreRow(void* data, bool half, int64_t offset, const float* src, int64_t n) {
+  if (!half) {
+    std::memcpy(static_cast<float*>(data) + offset, src, sizeof(float) * static_cast<size_t>(n));
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(data) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToHalf(src[i]);
+}
 
 void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
   const int64_t dim = c.dim, kv_heads = c.kv_heads, group = a.heads / kv_heads;
@@ -92,9 +153,11 @@ void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
     const int64_t first = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - first;
     if (nq == 0) return;
     const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size));
-    static const AttendGroupFn attend_group = PickAttendGroup();
-    attend_group(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride, a.out_stride,
-                a.positions + first, nq, group, kvh, a.block_tables + b * a.max_blocks, num_keys, c);
+    static const AttendGroupFn<float> attend_f32 = PickAttendGroup<float>();
+    static const AttendGroupFn<uint16_t> attend_f16 = PickAttendGroup<uint16_t>();
+    (c.half ? attend_f16 : attend_f32)(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride,
+                                       a.out_stride, a.positions + first, nq, group, kvh,
+                                       a.block_tables + b * a.max_blocks, num_keys, c);
   };
   const int64_t items = a.num_seqs * kv_heads;
   if (work < kParallelWork) {
@@ -107,16 +170,17 @@ void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
 mtp::Cache mtp::CheckedCache(const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, int64_t heads,
                              int block_size) {
   PD_CHECK(k_cache.is_cpu() && v_cache.is_cpu(), "the KV cache must be on the CPU");
-  PD_CHECK(k_cache.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == paddle::DataType::FLOAT32,
-           "the KV cache must be float32");
+  const bool half = k_cache.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK((half || k_cache.dtype() == paddle::DataType::FLOAT32) && v_cache.dtype() == k_cache.dtype(),
+           "the KV cache must be float32 or float16, K and V alike");
   PD_CHECK(k_cache.shape().size() == 3 && v_cache.shape() == k_cache.shape(), "caches must be [S, KVH, D], K and V alike");
   PD_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t kv_heads = k_cache.shape()[1];
   PD_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   PD_CHECK(block_size > 0 && k_cache.shape()[0] % block_size == 0 && k_cache.shape()[0] >= block_size,
            "the cache must hold whole blocks, the last one the scratch block");
-  return {k_cache.data<float>(), v_cache.data<float>(), k_cache.shape()[0], kv_heads, k_cache.shape()[2],
-          block_size, k_cache.shape()[0] / block_size - 1};
+  return {k_cache.data(), v_cache.data(), half, k_cache.shape()[0], kv_heads, k_cache.shape()[2], block_size,
+          k_cache.shape()[0] / block_size - 1};
 }
 
 mtp::AttentionBatch mtp::CheckedBatch(const float* q, int64_t q_stride, float* out, int64_t out_stride,

@@ -7,11 +7,13 @@
 
 namespace mtp {
 
-// The KV cache of one layer: S rows of KVH heads of D floats, in blocks of block_size rows; the last
-// block is the scratch block that table entries < 0 read.
+// The KV cache of one layer: S rows of KVH heads of D values, in blocks of block_size rows; the last
+// block is the scratch block that table entries < 0 read. Values are float32, or IEEE float16 (`half`:
+// half the bytes to read per key, which is what decode attention at long contexts waits on).
 struct Cache {
-  const float* k;
-  const float* v;
+  const void* k;  // float or uint16_t (float16 bits)
+  const void* v;
+  bool half;
   int64_t rows;      // S
   int64_t kv_heads;  // KVH
   int64_t dim;       // D
@@ -37,8 +39,8 @@ struct AttentionBatch {
 // CheckedBatch and CheckedCache, which reject what would read outside a tensor.
 void PagedAttend(const AttentionBatch& batch, const Cache& cache);
 
-// The cache of one layer after checking the tensors: float32 CPU [S, KVH, D], K and V alike, whole
-// blocks, the last the scratch block, and `heads` a multiple of KVH.
+// The cache of one layer after checking the tensors: float32 or float16 CPU [S, KVH, D], K and V alike,
+// whole blocks, the last the scratch block, and `heads` a multiple of KVH.
 Cache CheckedCache(const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, int64_t heads, int block_size);
 
 // The batch after checking the tables against the cache and the token count.
@@ -46,5 +48,13 @@ AttentionBatch CheckedBatch(const float* q, int64_t q_stride, float* out, int64_
                             int64_t heads, const paddle::Tensor& k_cache, const paddle::Tensor& block_tables,
                             const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
                             const paddle::Tensor& positions, int block_size);
+
+// Stores n floats at element `offset` of a cache tensor's data, rounded to float16 (to nearest, ties to
+// even, as NumPy and Paddle round) where the cache is float16.
+void StoreRow(void* data, bool half, int64_t offset, const float* src, int64_t n);
+
+// IEEE float16 <-> float32, exact one way and rounded to nearest even the other, on any host.
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
 
 }  // namespace mtp

@@ -48,6 +48,9 @@ SERVERS = {s.label: s for s in (
     Server("llamapy-f32", "llama-cpp-python", "F32"),
     Server("mtp-k0", "mtpserve", "--num-speculative-tokens 0 --speculative-adaptive false"),
     Server("mtp-k2", "mtpserve", "--num-speculative-tokens 2 --speculative-adaptive false"),
+    # NOTE: llama.cpp keeps its KV cache in F16 by default (-ctk/-ctv f16); this is mtpserve doing the same
+    Server("mtp-k2-kv16", "mtpserve", "--num-speculative-tokens 2 --speculative-adaptive false "
+           "--kv-cache-dtype float16"),
     Server("mtp-adaptive", "mtpserve", "--num-speculative-tokens 3"),
 )}
 REFERENCE, CHECKED = "llama-f32", "mtp-k2"  # the checks compare these two; ratios are to REFERENCE

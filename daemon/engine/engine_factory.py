@@ -52,6 +52,16 @@ def runner_config(model: ServingModel, engine: EngineConfig, speculative: Specul
     k = speculative.num_speculative_tokens
     if k and model.num_mtp_layers == 0:
         k = 0  # NOTE: a plain Qwen2 checkpoint has nothing to draft with
-    blocks = engine.num_kv_blocks or kv_blocks_for_budget(model, engine.block_size, k, engine.kv_cache_mb)
+    kv_dtype = kv_cache_dtype(engine)
+    blocks = engine.num_kv_blocks or kv_blocks_for_budget(model, engine.block_size, k, engine.kv_cache_mb,
+                                                          KV_DTYPE_BYTES[kv_dtype])
     return ModelRunnerConfig(max_num_seqs=engine.max_num_seqs, num_blocks=blocks, block_size=engine.block_size,
-                             num_speculative_tokens=k)
+                             num_speculative_tokens=k, kv_dtype=kv_dtype)
+
+
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_cache_dtype(engine: EngineConfig) -> str:
+    """The KV cache's dtype: `kv_cache_dtype`, or the compute dtype for auto."""
+    return engine.dtype if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype

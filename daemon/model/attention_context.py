@@ -22,8 +22,8 @@ PAGED_OP = "mtp_paged_attention"
 
 
 def paged_op_serves(kv: KVCache) -> bool:
-    """The in-place CPU kernel is built, Paddle runs on the CPU, and the cache is float32."""
-    return kv.k[0].dtype == paddle.float32 and cpu_op_available(PAGED_OP) if kv.k else False
+    """The in-place CPU kernel is built, Paddle runs on the CPU, and the cache is float32 or float16."""
+    return kv.k[0].dtype in (paddle.float32, paddle.float16) and cpu_op_available(PAGED_OP) if kv.k else False
 
 
 class AttentionContext(Protocol):

@@ -8,7 +8,7 @@ capturing a step as a CUDA graph: GPU hosts keep the Paddle-op path (and their g
 
 The op serves when: Paddle runs on the CPU and the library has it; the model is in eval mode with its
 weights packed; no tensor parallelism (the op has no all-reduce between attention and MLP); the
-context is the paged cache in float32; the block is a Qwen2-style one (rotate-half RoPE, no o_proj
+context is the paged cache in float32 or float16; the block is a Qwen2-style one (rotate-half RoPE, no o_proj
 bias). Anything else keeps the Paddle-op path, which computes the same function.
 """
 

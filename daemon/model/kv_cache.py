@@ -40,16 +40,16 @@ class KVCache:
 
     def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store this step's K/V. slots: [T] int64, already mapped so -1 became the scratch slot."""
-        paddle.scatter_(self.k[layer], slots, as_dtype(k, self.k[layer].dtype), overwrite=True)
+        _scatter_rows(self.k[layer], slots, as_dtype(k, self.k[layer].dtype))
         if self.v[layer] is not self.k[layer]:  # NOTE: a shared (MLA latent) cache is written once
-            paddle.scatter_(self.v[layer], slots, as_dtype(v, self.v[layer].dtype), overwrite=True)
+            _scatter_rows(self.v[layer], slots, as_dtype(v, self.v[layer].dtype))
 
     def copy_blocks(self, src_rows: paddle.Tensor, dst_rows: paddle.Tensor) -> None:
         """Copy the token rows `src_rows` [N] int64 onto `dst_rows` [N] in every layer; all reads happen
         before any write (a destination may be another copy's source)."""
         unique = {id(t): t for t in (*self.k, *self.v)}  # NOTE: MTP depth caches repeat one tensor
         for t in unique.values():
-            paddle.scatter_(t, dst_rows, paddle.gather(t, src_rows), overwrite=True)
+            _scatter_rows(t, dst_rows, _gather_rows(t, src_rows))
 
     def gather(self, layer: int, flat_slots: paddle.Tensor,
                key_shape: list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -57,9 +57,26 @@ class KVCache:
 
         The slots come flat (flattened once per step by the caller, not once per layer)."""
         shape = [*key_shape, *self.k[layer].shape[1:]]
-        k = paddle.gather(self.k[layer], flat_slots).reshape(shape)
-        v = paddle.gather(self.v[layer], flat_slots).reshape(shape)
+        k = _gather_rows(self.k[layer], flat_slots).reshape(shape)
+        v = _gather_rows(self.v[layer], flat_slots).reshape(shape)
         return k, v
+
+
+def _bits(x: paddle.Tensor) -> paddle.Tensor:
+    """A 2-byte float tensor as int32 pairs over the same memory; other dtypes as they are.
+
+    NOTE: Paddle's CPU gather and scatter have no float16 kernels; moving a cache row's bits as int32
+    is the same copy, exact, on any host (a row's last dimension, the head size, is even)."""
+    return x.view(paddle.int32) if x.dtype in (paddle.float16, paddle.bfloat16) else x
+
+
+def _scatter_rows(cache: paddle.Tensor, rows: paddle.Tensor, values: paddle.Tensor) -> None:
+    paddle.scatter_(_bits(cache), rows, _bits(values), overwrite=True)
+
+
+def _gather_rows(cache: paddle.Tensor, rows: paddle.Tensor) -> paddle.Tensor:
+    out = paddle.gather(_bits(cache), rows)
+    return out if out.dtype == cache.dtype else out.view(cache.dtype)
 
 
 def as_dtype(x: paddle.Tensor, dtype) -> paddle.Tensor:

@@ -196,3 +196,26 @@ def test_an_mtp_depth_in_one_call_matches_the_paddle_op_path(zero_position_zero)
     dense = model.run_mtp(0, shifted, hidden, paddle.arange(n, dtype="int64"), DenseCausalContext(1, n))
     np.testing.assert_allclose(fused.mtp_hidden.numpy(), dense.mtp_hidden.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(fused.hidden_states.numpy(), dense.hidden_states.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_float16_cache_is_written_rounded_as_numpy_rounds_and_read_back():
+    """K/V columns scaled over 13 decades, so the writes hit float16's subnormals, normals and its top
+    range: each written value is the float32 K/V the op computes, rounded exactly as NumPy rounds."""
+    block = Block(9, 64, 4, 2, 16, 96)
+    kv_cols = slice(block.heads * block.dim, None)
+    block.qkv[:, kv_cols] *= 10.0 ** np.random.default_rng(1).uniform(-9, 4, block.qkv[:, kv_cols].shape[1])
+    if block.qkv_bias is not None:
+        block.qkv_bias[kv_cols] = 0.0
+    step = make_step(19, [3, 1, 5], [9, 20, 2])
+    _, k32, v32 = run_op(block, step)
+    half = dict(step, k_cache=step["k_cache"].astype(np.float16), v_cache=step["v_cache"].astype(np.float16))
+    got, k16, v16 = run_op(block, half)
+    assert k16.dtype == np.float16
+    written = step["slots"]
+    assert k16[written].tobytes() == k32[written].astype(np.float16).tobytes()
+    assert v16[written].tobytes() == v32[written].astype(np.float16).tobytes()
+    assert (np.abs(k16[written]) < 6.1e-5).any() and (np.abs(k16[written]) > 1e3).any()
+    # NOTE: the float64 block over a float16 cache: its writes round there too
+    want, _, _ = reference(block, half)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)

@@ -107,3 +107,37 @@ def test_sharp_softmax_matches_numpy():
     q, kc, vc, tables, cu, lens, pos = make(13, [4, 1], [30, 57], 8, 2, dim=64)
     inputs = (q * 40.0, kc, vc, tables, cu, lens, pos)
     np.testing.assert_allclose(run_op(*inputs), reference(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def half_cache(inputs):
+    """The same call over a float16 cache, and the float32 values that cache holds (for the reference)."""
+    q, kc, vc, tables, cu, lens, pos = inputs
+    k16, v16 = kc.astype(np.float16), vc.astype(np.float16)
+    return (q, k16, v16, tables, cu, lens, pos), (q, k16.astype(np.float32), v16.astype(np.float32), tables, cu,
+                                                  lens, pos)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("dim", [8, 64, 72])
+def test_a_float16_cache_matches_numpy_on_the_values_it_holds(heads, kv_heads, dim):
+    """K/V read as float16 (F16C lanes, and one at a time past the last 8): exactly the rounded values."""
+    half, rounded = half_cache(make(dim + heads, [9, 1, 3, 4], [0, 31, 7, 4], heads, kv_heads, dim=dim))
+    np.testing.assert_allclose(run_op(*half), reference(*rounded), rtol=1e-5, atol=1e-5)
+
+
+def test_float16_rows_do_not_depend_on_the_others_and_a_large_call_matches():
+    new, cached = [96, 1, 3, 64], [160, 250, 90, 0]
+    half, rounded = half_cache(make(21, new, cached, 8, 2, dim=64, num_blocks=200))
+    together = run_op(*half)
+    np.testing.assert_allclose(together, reference(*rounded), rtol=1e-5, atol=1e-5)
+    q, kc, vc, tables, cu, lens, pos = half
+    alone = run_op(q[96:97], kc, vc, tables[1:2], np.array([0, 1], np.int32), lens[1:2], pos[96:97])
+    assert alone.tobytes() == together[96:97].tobytes()
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    q, kc, vc, tables, cu, lens, pos = make(3, [2], [3], 4, 2)
+    with pytest.raises(Exception, match="float32 or float16"):
+        run_op(q, kc.astype(np.float64), vc.astype(np.float64), tables, cu, lens, pos)
+    with pytest.raises(Exception, match="K and V alike"):
+        run_op(q, kc, vc.astype(np.float16), tables, cu, lens, pos)
