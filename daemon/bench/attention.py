@@ -2,8 +2,9 @@
 
 Times `PagedContext.attend` (the CPU op `mtp_paged_attention` reading the cache in place) for decode
 windows of a batch, and for a prefill chunk over a long context, at the bundled model's head shape and
-at a 7B-class one. Prints microseconds per call (median of `--repeats`) and writes JSON. Run it before
-and after a kernel change on the same idle host: the op is the largest part of a long-context step.
+at a 7B-class one, for each KV cache dtype (`--kv-dtypes`, side by side). Prints microseconds per call
+(median of `--repeats`) and writes JSON. Run it before and after a kernel change on the same idle host:
+the op is the largest part of a long-context step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def cases(contexts: list[int]) -> list[Case]:
     return out
 
 
-def time_case(case: Case, repeats: int) -> float:
+def time_case(case: Case, repeats: int, kv_dtype: str = "float32") -> float:
     """Median microseconds of one attend call."""
     import paddle
 
@@ -50,10 +51,10 @@ def time_case(case: Case, repeats: int) -> float:
 
     h, kvh, d = HEADS[case.heads]
     blocks_per_row = -(-case.context // BLOCK)
-    kv = KVCache.allocate(1, case.rows * blocks_per_row, BLOCK, kvh, d)
+    kv = KVCache.allocate(1, case.rows * blocks_per_row, BLOCK, kvh, d, kv_dtype)
     gen = np.random.default_rng(0)
     for t in (kv.k[0], kv.v[0]):
-        t.set_value(paddle.to_tensor(gen.standard_normal(t.shape).astype(np.float32)))
+        t.set_value(paddle.to_tensor(gen.standard_normal(t.shape).astype(kv_dtype)))
     tables = np.arange(case.rows * blocks_per_row, dtype=np.int32).reshape(case.rows, blocks_per_row)
     positions = np.concatenate([np.arange(case.context - case.queries, case.context)] * case.rows)
     slots = tables[np.repeat(np.arange(case.rows), case.queries), positions // BLOCK] * BLOCK + positions % BLOCK
@@ -80,6 +81,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("attention", help="paged attention per layer call, by shape (CPU op)")
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kv-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16"])
     p.add_argument("--json", type=Path, default=Path("runs/bench_attention.json"))
     p.set_defaults(func=run)
     return p
@@ -93,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"the CPU op {PAGED_OP} is not built here: nothing to time")
         return 1
     rows = []
-    print(f"{'heads':8} {'kind':8} {'rows x q':>9} {'context':>8} {'us/call':>10}")
+    print(f"{'heads':8} {'kind':8} {'rows x q':>9} {'context':>8}" + "".join(f"{'us ' + d:>14}" for d in args.kv_dtypes))
     for case in cases(args.contexts):
-        us = time_case(case, args.repeats)
-        rows.append({**case._asdict(), "us_per_call": round(us, 1)})
-        print(f"{case.heads:8} {case.kind:8} {f'{case.rows}x{case.queries}':>9} {case.context:>8} {us:>10.1f}")
+        us = {dtype: time_case(case, args.repeats, dtype) for dtype in args.kv_dtypes}
+        rows.append({**case._asdict(), "us_per_call": {d: round(t, 1) for d, t in us.items()}})
+        print(f"{case.heads:8} {case.kind:8} {f'{case.rows}x{case.queries}':>9} {case.context:>8}"
+              + "".join(f"{t:>14.1f}" for t in us.values()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"cases": rows}, indent=1))
     print(f"wrote {args.json}")
