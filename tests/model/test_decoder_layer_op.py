@@ -211,7 +211,7 @@ def test_a_float16_cache_is_written_rounded_as_numpy_rounds_and_read_back():
     half = dict(step, k_cache=step["k_cache"].astype(np.float16), v_cache=step["v_cache"].astype(np.float16))
     got, k16, v16 = run_op(block, half)
     assert k16.dtype == np.float16
-    written = step["slots"]
+    written = np.asarray(step["slots"], np.int64)
     assert k16[written].tobytes() == k32[written].astype(np.float16).tobytes()
     assert v16[written].tobytes() == v32[written].astype(np.float16).tobytes()
     assert (np.abs(k16[written]) < 6.1e-5).any() and (np.abs(k16[written]) > 1e3).any()
