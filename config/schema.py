@@ -51,10 +51,10 @@ class EngineConfig:
     block_size: int = key(16, "tokens per KV block", min=1, max=1024)
     num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
-    kv_cache_dtype: str = key("auto", "KV cache dtype; auto: the compute dtype. float16 halves the bytes "
-                              "attention reads per key (the cost of long contexts on CPU hosts) and "
-                              "doubles the blocks kv_cache_mb holds; K/V are rounded to it as they are "
-                              "written (docs/architecture.md)", choices=("auto", "float32", "float16"))
+    kv_cache_dtype: str = key("auto", "KV cache dtype; auto: the compute dtype. float16 halves the KV memory "
+                              "(kv_cache_mb holds twice the blocks); K/V are rounded to it as they are "
+                              "written, and attention per call is slower below ~2k keys on CPU hosts "
+                              "(docs/architecture.md)", choices=("auto", "float32", "float16"))
     enable_overlap: bool = key(True, "schedule step N+1 while step N runs on the device")
     enable_prefix_caching: bool = key(True, "reuse the KV of full blocks whose tokens an earlier "
                                       "request already computed (docs/prefix-caching.md)",

@@ -13,25 +13,14 @@ from mtpserve.engine.engine_factory import build_model_engine, runner_config
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
-from mtpserve.model.config import ModelConfig
-from mtpserve.model.mimo_model import MiMoForCausalLM
-from test_model_runner import VOCAB, drafty_model, greedy_requests, prompts, run
+from test_model_runner import VOCAB, drafty_model, greedy_requests, prompts, run, tiny_model
 
 pytestmark = pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU cache ops")
 
 
 def packed_model(seed=0):
     """Widths in whole 32-column panels, so each block is one fused op on a CPU host."""
-    paddle.seed(seed)
-    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_nextn_predict_layers=1))
-    gen = np.random.default_rng(seed)
-    for name, p in model.state_dict().items():
-        value = gen.standard_normal(p.shape)
-        value = 1.0 + 0.2 * value if name.endswith("norm.weight") else 0.15 * value
-        p.set_value(paddle.to_tensor(value.astype(np.float32)))
-    model.eval()
-    return model
+    return tiny_model(seed, hidden_size=64, intermediate_size=96, num_attention_heads=4)
 
 
 MODELS = {"paddle-op blocks": drafty_model, "fused blocks": packed_model}

@@ -16,11 +16,13 @@ from mtpserve.model.mimo_model import MiMoForCausalLM
 VOCAB = 97
 
 
-def tiny_model(seed=0, mtp_layers=1):
+def tiny_model(seed=0, mtp_layers=1, **widths):
+    """`widths` override the sizes (e.g. hidden 64, intermediate 96, 4 heads: whole 32-column panels,
+    so each block is one fused op on a CPU host)."""
     paddle.seed(seed)
-    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80,
-                                        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                        num_nextn_predict_layers=mtp_layers))
+    sizes = {**dict(hidden_size=48, intermediate_size=80, num_attention_heads=6), **widths}
+    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=2,
+                                        num_nextn_predict_layers=mtp_layers, **sizes))
     gen = np.random.default_rng(seed)
     for name, p in model.state_dict().items():
         scale = gen.standard_normal(p.shape)
