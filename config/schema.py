@@ -76,6 +76,10 @@ class SpeculativeConfig:
     adaptive: bool = key(True, "choose each request's drafts per step (0..num_speculative_tokens) from a "
                          "measured step-cost model and its acceptance; false: always draft "
                          "num_speculative_tokens", flag="--speculative-adaptive")
+    draft_weight_dtype: str = key("float16", "dtype the CPU kernels read the MTP layers' and the draft head's "
+                                  "weights in; float16 halves what a draft depth reads. Drafts are only "
+                                  "guesses that the float32 main model verifies: this can change acceptance, "
+                                  "never the output (docs/speculation.md)", choices=("float32", "float16"))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@
 //   o_panels        [H / 32, heads D, 32]
 //   gate_up_panels  [2 I / 32, H, 32]: gate then up
 //   down_panels     [H / 32, I, 32]
+//                   (every panel tensor float32, or float16: an MTP layer's may be, see model/small_matmul.py)
 //   cos_table       [P, D] cos(p f) for every position p; sin_table [P, D] the sine with rotate-half's sign
 //   positions       [T] int64; write_slots [T] int64: the cache row of each token's K/V (-1: not written)
 //   k_cache, v_cache [S, KVH, D] float32 or float16: written in place (outputs k_out, v_out), rounded to
@@ -26,8 +27,13 @@
 //                   norm(x; hidden_norm) @ hidden_panels + token_table[token_ids] (the token half of
 //                   input_proj, tabulated; zero at position 0 when zero_position_zero)
 //   final_norm      [H] or absent: also return the output normalised by it
+//   A draft depth's head, so that its drafts need no further call (it needs final_norm):
+//   head_panels     [V'/32, H, 32] or absent: a head over V' tokens (the LM head, or a draft vocabulary's)
+//   head_ids        [V'] int64 or absent: the vocabulary id of each head column (absent: the column)
+//   head_rows       [M] int64 or absent: the output rows the head reads (absent: every output row)
 // Outputs: [T or N, H], the block's output (residual stream after the MLP); [T or N, H] its final norm
-// ([0, H] without final_norm).
+// ([0, H] without final_norm); [M] int64 the head's argmax ids ([0] without head_panels), the first
+// column of the largest logit on ties, as paddle.argmax picks.
 //
 // Every row is computed the same way whatever rows share the call (the panel product and the attention
 // both keep that property), so a token's logits do not depend on its batch.
@@ -49,16 +55,18 @@ namespace {
 using OptTensor = paddle::optional<paddle::Tensor>;
 
 struct Panels {
-  const float* data;
+  const void* data;  // float, or float16 bits when `half`
+  bool half;
   int64_t k, n;  // the packed weight is [K, N]
 };
 
 Panels CheckedPanels(const paddle::Tensor& t, int64_t k, const char* name) {
-  PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32 && t.is_contiguous(), name,
-           " must be a contiguous float32 CPU tensor");
+  const bool half = t.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK(t.is_cpu() && (half || t.dtype() == paddle::DataType::FLOAT32) && t.is_contiguous(), name,
+           " must be a contiguous float32 or float16 CPU tensor");
   PD_CHECK(t.shape().size() == 3 && t.shape()[1] == k && t.shape()[2] == mtp::kPanelColumns, name,
            " must be [N/32, ", k, ", 32]");
-  return {t.data<float>(), k, t.shape()[0] * mtp::kPanelColumns};
+  return {t.data(), half, k, t.shape()[0] * mtp::kPanelColumns};
 }
 
 const float* CheckedVector(const paddle::Tensor& t, int64_t n, const char* name) {
@@ -68,7 +76,7 @@ const float* CheckedVector(const paddle::Tensor& t, int64_t n, const char* name)
 }
 
 void Multiply(const float* x, int64_t m, const Panels& w, const float* bias, float* y) {
-  mtp::PanelMatmul(x, m, w.k, w.data, w.n, bias, y);
+  mtp::PanelMatmul(x, m, w.k, w.data, w.half, w.n, bias, y);
 }
 
 // x * cos + rotate_half(x) * sin for `count` heads of D floats at one position, in place; the sign of
@@ -106,6 +114,46 @@ struct Shapes {
   int64_t tokens, hidden, heads, kv_heads, dim, inter, qkv_width;
 };
 
+// The head's argmax ids of rows `head_rows` of `normed` [R, H] (all R rows without it), [0] without a head.
+paddle::Tensor DraftIds(const paddle::Tensor& normed, const OptTensor& head_panels, const OptTensor& head_ids,
+                        const OptTensor& head_rows, bool has_final_norm) {
+  if (!head_panels) return paddle::empty({0}, paddle::DataType::INT64, normed.place());
+  PD_CHECK(has_final_norm, "a head reads the final norm: it needs final_norm");
+  const int64_t rows = normed.shape()[0], hidden = normed.shape()[1];
+  const Panels head = CheckedPanels(*head_panels, hidden, "head_panels");
+  const int64_t* ids = nullptr;
+  if (head_ids) {
+    PD_CHECK(head_ids->dtype() == paddle::DataType::INT64 && head_ids->numel() == head.n,
+             "head_ids must be int64 [V'], one id per head column");
+    ids = head_ids->data<int64_t>();
+  }
+  int64_t m = rows;
+  const int64_t* pick = nullptr;
+  if (head_rows) {
+    PD_CHECK(head_rows->dtype() == paddle::DataType::INT64, "head_rows must be int64");
+    m = head_rows->numel();
+    pick = head_rows->data<int64_t>();
+    for (int64_t r = 0; r < m; ++r) PD_CHECK(pick[r] >= 0 && pick[r] < rows, "a head row is outside the output");
+  }
+  thread_local std::vector<float> in, logits;
+  in.resize(static_cast<size_t>(m * hidden));
+  logits.resize(static_cast<size_t>(m * head.n));
+  const float* nd = normed.data<float>();
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(in.data() + r * hidden, nd + (pick ? pick[r] : r) * hidden, sizeof(float) * hidden);
+  Multiply(in.data(), m, head, nullptr, logits.data());
+  paddle::Tensor out = paddle::empty({m}, paddle::DataType::INT64, normed.place());
+  int64_t* od = out.data<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = logits.data() + r * head.n;
+    int64_t best = 0;
+    for (int64_t j = 1; j < head.n; ++j)
+      if (row[j] > row[best]) best = j;  // NOTE: strictly greater: the first of equal maxima wins
+    od[r] = ids ? ids[best] : best;
+  }
+  return out;
+}
+
 std::vector<paddle::Tensor> DecoderLayer(
     const paddle::Tensor& x, const paddle::Tensor& input_norm, const paddle::Tensor& qkv_panels,
     const OptTensor& qkv_bias, const paddle::Tensor& o_panels, const paddle::Tensor& post_norm,
@@ -114,7 +162,8 @@ std::vector<paddle::Tensor> DecoderLayer(
     paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv, const OptTensor& out_rows,
     const OptTensor& token_ids, const OptTensor& token_table, const OptTensor& hidden_norm,
-    const OptTensor& hidden_panels, const OptTensor& final_norm, int heads, float eps, int block_size,
+    const OptTensor& hidden_panels, const OptTensor& final_norm, const OptTensor& head_panels,
+    const OptTensor& head_ids, const OptTensor& head_rows, int heads, float eps, int block_size,
     bool zero_position_zero) {
   PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
            "x must be a float32 CPU tensor [T, H]");
@@ -231,7 +280,9 @@ std::vector<paddle::Tensor> DecoderLayer(
   Multiply(act.data(), rows, down, nullptr, od);
   AddInto(od, h.data(), rows * s.hidden);
   if (final_w != nullptr) mtp::RmsNormRows(od, final_w, normed_out.data<float>(), rows, s.hidden, eps);
-  return {out, normed_out};
+  // 5. a draft depth's head: the argmax over its columns of the wanted normalised rows
+  paddle::Tensor drafts = DraftIds(normed_out, head_panels, head_ids, head_rows, final_w != nullptr);
+  return {out, normed_out, drafts};
 }
 
 std::vector<std::vector<int64_t>> DecoderLayerShape(
@@ -246,9 +297,12 @@ std::vector<std::vector<int64_t>> DecoderLayerShape(
     const paddle::optional<std::vector<int64_t>>& token_ids, const paddle::optional<std::vector<int64_t>>& token_table,
     const paddle::optional<std::vector<int64_t>>& hidden_norm,
     const paddle::optional<std::vector<int64_t>>& hidden_panels,
-    const paddle::optional<std::vector<int64_t>>& final_norm) {
+    const paddle::optional<std::vector<int64_t>>& final_norm,
+    const paddle::optional<std::vector<int64_t>>& head_panels, const paddle::optional<std::vector<int64_t>>& head_ids,
+    const paddle::optional<std::vector<int64_t>>& head_rows) {
   const int64_t rows = out_rows ? (*out_rows)[0] : x[0];
-  return {{rows, x[1]}, {final_norm ? rows : 0, x[1]}};
+  const int64_t drafts = head_panels ? (head_rows ? (*head_rows)[0] : rows) : 0;
+  return {{rows, x[1]}, {final_norm ? rows : 0, x[1]}, {drafts}};
 }
 
 std::vector<paddle::DataType> DecoderLayerDtype(
@@ -260,8 +314,10 @@ std::vector<paddle::DataType> DecoderLayerDtype(
     const paddle::DataType& block_tables, const paddle::DataType& cu_seqlens_q, const paddle::DataType& seq_lens_kv,
     const paddle::optional<paddle::DataType>& out_rows, const paddle::optional<paddle::DataType>& token_ids,
     const paddle::optional<paddle::DataType>& token_table, const paddle::optional<paddle::DataType>& hidden_norm,
-    const paddle::optional<paddle::DataType>& hidden_panels, const paddle::optional<paddle::DataType>& final_norm) {
-  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
+    const paddle::optional<paddle::DataType>& hidden_panels, const paddle::optional<paddle::DataType>& final_norm,
+    const paddle::optional<paddle::DataType>& head_panels, const paddle::optional<paddle::DataType>& head_ids,
+    const paddle::optional<paddle::DataType>& head_rows) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32, paddle::DataType::INT64};
 }
 
 }  // namespace
@@ -271,8 +327,9 @@ PD_BUILD_OP(mtp_decoder_layer)
              "gate_up_panels", "down_panels", "cos_table", "sin_table", "positions", "write_slots", "k_cache",
              "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", paddle::Optional("out_rows"),
              paddle::Optional("token_ids"), paddle::Optional("token_table"), paddle::Optional("hidden_norm"),
-             paddle::Optional("hidden_panels"), paddle::Optional("final_norm")})
-    .Outputs({"out", "normed_out", "k_out", "v_out"})
+             paddle::Optional("hidden_panels"), paddle::Optional("final_norm"), paddle::Optional("head_panels"),
+             paddle::Optional("head_ids"), paddle::Optional("head_rows")})
+    .Outputs({"out", "normed_out", "draft_ids", "k_out", "v_out"})
     .SetInplaceMap({{"k_cache", "k_out"}, {"v_cache", "v_out"}})
     .Attrs({"heads: int", "eps: float", "block_size: int", "zero_position_zero: bool"})
     .SetKernelFn(PD_KERNEL(DecoderLayer))

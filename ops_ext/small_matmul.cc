@@ -1,5 +1,6 @@
 // mtp_small_matmul: y[M, N] = x[M, K] @ W + bias on a CPU host, with W pre-packed as [N/32, K, 32]
-// (column panels of 32, each a contiguous stream). Also mtp::PanelMatmul for other kernels.
+// (column panels of 32, each a contiguous stream) in float32 or float16. Also mtp::PanelMatmul for other
+// kernels.
 //
 // WHY: a batch-1 step with k drafts multiplies k+1 rows by every weight. Paddle's CPU matmul (MKL) packs
 // the weight on every GEMM call, and runs on one thread in a rank: on a 2-core AMD EPYC host a
@@ -25,6 +26,7 @@
 #endif
 
 #include "paddle/extension.h"
+#include "paged_attention.h"
 #include "small_matmul.h"
 #include "worker_pool.h"
 
@@ -39,19 +41,30 @@ constexpr double kParallelWork = 32 * 1024;
 
 struct Operands {
   const float* x;
-  const float* panels;
+  const void* panels;  // float, or uint16_t (float16 bits) when `half`
+  bool half;
   const float* bias;  // nullptr: none
   float* y;
   int64_t k, n;
+  int64_t first_col = 0;  // the output column `panels` starts at
 };
 
 #if MTP_HAVE_X86
+// Eight weights of a panel row as floats: float16 panels are widened by F16C as they are read, so a
+// float16 weight costs half the memory traffic and the same FMAs.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint16_t* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+
 // Up to three rows against one 32-column panel: per k, four weight loads feed 4 * Rows FMAs into
 // independent accumulators (12 chains at three rows, enough to hide the FMA latency). Every loop over
 // rows or registers must be unrolled: one rolled loop and GCC keeps the accumulators on the stack.
-template <int Rows>
-__attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const float* x, const float* panel,
-                                                   float* y, int64_t col) {
+template <int Rows, typename W>
+__attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Operands& op, const float* x, const W* panel,
+                                                        float* y, int64_t col) {
+  // NOTE: 128 bytes of float32 panel rows, 64 of float16 ones: read ahead the same distance in bytes
+  constexpr int64_t kAhead = kPrefetchRows * kPanel * static_cast<int64_t>(sizeof(float) / sizeof(W));
   __m256 acc[Rows][4];
 #pragma GCC unroll 3
   for (int r = 0; r < Rows; ++r)
@@ -59,14 +72,17 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const floa
     for (int j = 0; j < 4; ++j)
       acc[r][j] = op.bias ? _mm256_loadu_ps(op.bias + col + 8 * j) : _mm256_setzero_ps();
   for (int64_t i = 0; i < op.k; ++i) {
-    const float* w = panel + i * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel + 16), _MM_HINT_T0);
+    const W* w = panel + i * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead), _MM_HINT_T0);
+    if (sizeof(W) == sizeof(float)) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 16), _MM_HINT_T0);
+    __m256 wv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) wv[j] = Load8(w + 8 * j);
 #pragma GCC unroll 3
     for (int r = 0; r < Rows; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * op.k + i);
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(w + 8 * j), acc[r][j]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(a, wv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 3
@@ -76,22 +92,42 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Operands& op, const floa
 }
 #endif
 
+inline float Widen(float w) { return w; }
+inline float Widen(uint16_t w) { return mtp::HalfToFloat(w); }
+
+#if MTP_HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) void WidenF16C(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Load8(src + i));
+  for (; i < n; ++i) dst[i] = mtp::HalfToFloat(src[i]);
+}
+#endif
+
+// n float16 values as floats (exact either way).
+void Widen(bool avx2, const uint16_t* src, float* dst, int64_t n) {
+#if MTP_HAVE_X86
+  if (avx2) return WidenF16C(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = mtp::HalfToFloat(src[i]);
+}
+
 // The same arithmetic without AVX2 (any x86-64 or another architecture): slow, but never wrong.
-template <int Rows>
-void TilePortable(const Operands& op, const float* x, const float* panel, float* y, int64_t col) {
+template <int Rows, typename W>
+void TilePortable(const Operands& op, const float* x, const W* panel, float* y, int64_t col) {
   for (int r = 0; r < Rows; ++r) {
     float acc[kPanel];
     for (int j = 0; j < kPanel; ++j) acc[j] = op.bias ? op.bias[col + j] : 0.0f;
     for (int64_t i = 0; i < op.k; ++i)
-      for (int j = 0; j < kPanel; ++j) acc[j] += x[r * op.k + i] * panel[i * kPanel + j];
+      for (int j = 0; j < kPanel; ++j) acc[j] += x[r * op.k + i] * Widen(panel[i * kPanel + j]);
     std::memcpy(y + r * op.n + col, acc, sizeof(acc));
   }
 }
 
-template <int Rows>
+template <int Rows, typename W>
 void Tile(bool avx2, const Operands& op, int64_t row, int64_t col) {
   const float* x = op.x + row * op.k;
-  const float* panel = op.panels + col * op.k;  // panel col/32 starts at (col/32) * K * 32
+  // NOTE: panel col/32 starts at (col/32) * K * 32 (counted from the first panel the operands hold)
+  const W* panel = static_cast<const W*>(op.panels) + (col - op.first_col) * op.k;
   float* y = op.y + row * op.n;
 #if MTP_HAVE_X86
   if (avx2) return TileAvx2<Rows>(op, x, panel, y, col);
@@ -100,25 +136,50 @@ void Tile(bool avx2, const Operands& op, int64_t row, int64_t col) {
 }
 
 // Panels [first, last) of the product.
+template <typename W>
+void MultiplyPanels(bool avx2, const Operands& op, int64_t m, int64_t first, int64_t last) {
+  for (int64_t col = first * kPanel; col < last * kPanel; col += kPanel) {
+    int64_t row = 0;
+    for (; row + kRowTile <= m; row += kRowTile) Tile<kRowTile, W>(avx2, op, row, col);
+    if (m - row == 2) Tile<2, W>(avx2, op, row, col);
+    if (m - row == 1) Tile<1, W>(avx2, op, row, col);
+  }
+}
+
+// Float16 panels for more rows than one tile: each panel is widened once into a float32 copy (exact, so
+// the sums are the ones the float16 tiles would make) that every tile then reads from L2; widening it
+// in every tile would add a conversion per weight load to a loop that is then compute-bound.
+void MultiplyWidened(bool avx2, const Operands& op, int64_t m, int64_t first, int64_t last) {
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(op.k * kPanel));
+  Operands wide = op;
+  wide.half = false;
+  const auto* halves = static_cast<const uint16_t*>(op.panels);
+  for (int64_t p = first; p < last; ++p) {
+    Widen(avx2, halves + p * op.k * kPanel, panel.data(), op.k * kPanel);
+    wide.panels = panel.data();
+    wide.first_col = p * kPanel;
+    MultiplyPanels<float>(avx2, wide, m, p, p + 1);
+  }
+}
+
 void Multiply(const Operands& op, int64_t m, int64_t first, int64_t last) {
 #if MTP_HAVE_X86
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
 #else
   constexpr bool avx2 = false;
 #endif
-  for (int64_t col = first * kPanel; col < last * kPanel; col += kPanel) {
-    int64_t row = 0;
-    for (; row + kRowTile <= m; row += kRowTile) Tile<kRowTile>(avx2, op, row, col);
-    if (m - row == 2) Tile<2>(avx2, op, row, col);
-    if (m - row == 1) Tile<1>(avx2, op, row, col);
-  }
+  if (op.half && m > kRowTile) return MultiplyWidened(avx2, op, m, first, last);
+  if (op.half) return MultiplyPanels<uint16_t>(avx2, op, m, first, last);
+  MultiplyPanels<float>(avx2, op, m, first, last);
 }
 
 }  // namespace
 
-void mtp::PanelMatmul(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, const float* bias,
-                      float* y) {
-  const Operands op{x, panels, bias, y, k, n};
+void mtp::PanelMatmul(const float* x, int64_t m, int64_t k, const void* panels, bool half, int64_t n,
+                      const float* bias, float* y) {
+  const Operands op{x, panels, half, bias, y, k, n};
   const int64_t num_panels = n / kPanel;
   const int64_t parts = std::min<int64_t>(num_panels, mtp::CpuThreads());
   if (parts < 2 || static_cast<double>(m) * k * n < kParallelWork) return Multiply(op, m, 0, num_panels);
@@ -133,8 +194,9 @@ namespace {
 std::vector<paddle::Tensor> SmallMatmul(const paddle::Tensor& x, const paddle::Tensor& panels,
                                         const paddle::optional<paddle::Tensor>& bias) {
   PD_CHECK(x.is_cpu() && panels.is_cpu(), "mtp_small_matmul runs on CPU tensors");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && panels.dtype() == paddle::DataType::FLOAT32,
-           "mtp_small_matmul takes float32");
+  const bool half = panels.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && (half || panels.dtype() == paddle::DataType::FLOAT32),
+           "mtp_small_matmul takes float32 x and float32 or float16 panels");
   const auto& xs = x.shape();
   const auto& ps = panels.shape();
   PD_CHECK(xs.size() == 2 && ps.size() == 3 && ps[2] == kPanel, "x must be [M, K], panels [N/32, K, 32]");
@@ -149,7 +211,7 @@ std::vector<paddle::Tensor> SmallMatmul(const paddle::Tensor& x, const paddle::T
     b = bias->data<float>();
   }
   paddle::Tensor y = paddle::empty({xs[0], n}, paddle::DataType::FLOAT32, x.place());
-  mtp::PanelMatmul(xc.data<float>(), xs[0], xs[1], pc.data<float>(), n, b, y.data<float>());
+  mtp::PanelMatmul(xc.data<float>(), xs[0], xs[1], pc.data(), half, n, b, y.data<float>());
   return {y};
 }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtpserve.config import SpeculativeConfig
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
@@ -96,7 +97,8 @@ def run_model_bench(model_dir: Path, batches: list[int], ks: list[int], prompt_l
                     max_tokens: int, rounds: int) -> list[dict]:
     from mtpserve.model.loader import load_serving_model
 
-    model = load_serving_model(model_dir)
+    # NOTE: the draft weights' dtype a served instance would use (config/schema.py)
+    model = load_serving_model(model_dir, draft_weight_dtype=SpeculativeConfig().draft_weight_dtype)
     results = []
     for batch in batches:
         for k in ks:

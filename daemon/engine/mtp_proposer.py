@@ -55,11 +55,11 @@ class MTPProposer:
             shifted = host_tensor(ahead[win.row_of, offset + depth])  # [T]
             last = depth == depths - 1
             # NOTE: the last depth's hidden feeds no further depth: only its frontier rows are needed.
-            out = self.model.run_mtp(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
-                                     out_rows=at_frontier if last else None)
-            head_in = out.hidden_states if last else paddle.gather(out.hidden_states, at_frontier)
+            out = self.model.draft_depth(depth, shifted, hidden, batch.positions, self._context(ctx, depth),
+                                         out_rows=at_frontier if last else None,
+                                         draft_rows=None if last else at_frontier)
             col = frontier + depth + 1
-            draft = self.model.draft_token_ids(head_in, depth).numpy()  # [B]
+            draft = out.draft_ids.numpy()  # [B]
             ahead[rows, col] = np.where(known[rows, col], ahead[rows, col], draft)
             hidden = out.mtp_hidden
         live = (num_emitted > 0) & (reason == 0)

@@ -40,7 +40,7 @@ class EngineSetup:
     async def start(cls, config: Config, model_dir: Path, runtime_dir: Path, rank: int,
                     tp: TensorParallel = SINGLE) -> EngineSetup:
         logger = log.get_logger("mtpserve.engine")
-        model = load_serving_model(model_dir, tp)
+        model = load_serving_model(model_dir, tp, draft_weight_dtype=config.speculative.draft_weight_dtype)
         channel = await rc.RequestChannelServer.start(runtime_dir)
         wake = asyncio.Event()
         core = build_core(model, config, tp, channel, wake)

@@ -26,7 +26,8 @@ STOP_WAIT_S = 5.0
 
 async def serve_follower(config: Config, model_dir: Path, tp: TensorParallel, stop: asyncio.Event) -> int:
     logger = log.get_logger("mtpserve.engine")
-    runner = build_follower_runner(load_serving_model(model_dir, tp), PlanChannel(tp), config.engine, config.speculative)
+    model = load_serving_model(model_dir, tp, draft_weight_dtype=config.speculative.draft_weight_dtype)
+    runner = build_follower_runner(model, PlanChannel(tp), config.engine, config.speculative)
     freeze_heap()
     logger.info("following rank 0", rank=tp.rank, kv_blocks=runner.config.num_blocks)
     follow = asyncio.wrap_future(runner.follow())

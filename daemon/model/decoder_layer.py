@@ -164,5 +164,18 @@ class ServingModelLayer(nn.Layer):
         if token_ids is not None:
             raise ValueError(f"draft_vocab.json is not supported for {type(self).__name__}")
 
+    def set_draft_weight_dtype(self, dtype: str) -> None:
+        """The dtype of the packed panels of the weights that only draft (the MTP layers and the draft
+        head), re-packed now in eval mode. float16 halves what a draft depth reads; verification by the
+        main model decides every emitted token, so it can change acceptance, never the output. Families
+        that do not list their draft weights keep float32."""
+        for weight in self._draft_weights():
+            weight.panel_dtype = dtype
+        if not self.training:
+            self.eval()
+
+    def _draft_weights(self) -> list[ServingWeight]:
+        return []
+
     def _serving_weights(self) -> list:
         return serving_weights(self)

@@ -15,7 +15,7 @@ bias). Anything else keeps the Paddle-op path, which computes the same function.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import paddle
 from paddle import _C_ops
@@ -66,27 +66,38 @@ class FusedBlocks:
               out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [T, H] -> the block's output [T, H] (or [N, H] for out_rows [N], increasing token indices:
         every token's K/V is written, the MLP runs on those rows only)."""
-        return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, False)[0]
+        return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, _NO_HEAD, False)[0]
 
     def mtp_depth(self, mtp: MTPLayer, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, layer: int,
-                  out_rows: paddle.Tensor | None, zero_position_zero: bool) -> tuple[paddle.Tensor, paddle.Tensor]:
+                  out_rows: paddle.Tensor | None, zero_position_zero: bool,
+                  head: DraftHeadPanels | None = None) -> list[paddle.Tensor]:
         """An MTP layer in one call, its input stage included (see MTPLayer.forward): token_ids [T],
-        prev_hidden [T, H] -> (its hidden before final_layernorm, after it), each [T or N, H]."""
+        prev_hidden [T, H] -> the op's outputs: [0] its hidden before final_layernorm, [1] after it (each
+        [T or N, H]), [2] with `head` its drafts [M], the head's argmax ids at `head.rows` of [1]."""
         tokens = mtp.tokens
         extra = (token_ids, tokens.table, mtp.hidden_layernorm.weight, tokens.hidden.panels,
                  mtp.final_layernorm.weight)
-        out = self._call(mtp, prev_hidden, layer, out_rows, extra, zero_position_zero)
-        return out[0], out[1]
+        return self._call(mtp, prev_hidden, layer, out_rows, extra, head or _NO_HEAD, zero_position_zero)
 
     def _call(self, blk: DenseBlock, x: paddle.Tensor, layer: int, out_rows: paddle.Tensor | None,
-              mtp_input: tuple, zero_position_zero: bool) -> list[paddle.Tensor]:
+              mtp_input: tuple, head: tuple, zero_position_zero: bool) -> list[paddle.Tensor]:
         weights, eps, heads = _weights_of(blk)
         return _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
             OP, x, *weights, *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
-            *mtp_input, heads, eps, self._kv.block_size, zero_position_zero)
+            *mtp_input, *head, heads, eps, self._kv.block_size, zero_position_zero)
+
+
+class DraftHeadPanels(NamedTuple):
+    """A draft depth's head as the op reads it: panels [V'/32, H, 32], the vocabulary id of each column
+    ([V'] int64, None: the column itself), and the output rows it reads ([M] int64, None: all)."""
+
+    panels: paddle.Tensor
+    ids: paddle.Tensor | None
+    rows: paddle.Tensor | None
 
 
 _NO_MTP_INPUT = (None, None, None, None, None)
+_NO_HEAD = (None, None, None)
 
 
 def serves_mtp_input(mtp: MTPLayer) -> bool:

@@ -38,9 +38,10 @@ def load_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
 
 
 def load_serving_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
-                       draft_vocab: bool = True) -> ServingModel:
+                       draft_vocab: bool = True, draft_weight_dtype: str = "float32") -> ServingModel:
     """Any supported architecture (config.json's `architectures`). draft_vocab=False ignores the
-    directory's draft_vocab.json (drafts over the full vocabulary; MiMo/Qwen2 only)."""
+    directory's draft_vocab.json (drafts over the full vocabulary; MiMo/Qwen2 only); draft_weight_dtype
+    is the packed dtype of the weights that only draft (ServingModelLayer.set_draft_weight_dtype)."""
     model_dir = Path(model_dir)
     config = model_config_from_file(model_dir / "config.json")
     if (model_dir / "tokenizer.json").exists():
@@ -50,6 +51,7 @@ def load_serving_model(model_dir: str | Path, tp: TensorParallel = SINGLE,
         load_weights(model, model_dir)
         if draft_vocab and isinstance(model, MiMoForCausalLM):
             model.set_draft_vocab(read_draft_vocab(model_dir, config.vocab_size))
+        model.set_draft_weight_dtype(draft_weight_dtype)
     model.eval()
     return model
 

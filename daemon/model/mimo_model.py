@@ -6,7 +6,7 @@ Parameter names match a MiMo checkpoint: `model.embed_tokens`, `model.layers.{i}
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import paddle
@@ -17,11 +17,12 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import DecoderLayer, ServingModelLayer, serving_weights
 from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
-from mtpserve.model.fused_layer import FusedBlocks, serves_mtp_input
+from mtpserve.model.fused_layer import DraftHeadPanels, FusedBlocks, serves_mtp_input
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model.norm import RMSNorm
-from mtpserve.model.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
+from mtpserve.model.parallel import (SINGLE, ParallelLMHead, ServingWeight, TensorParallel,
+                                     VocabParallelEmbedding)
 from mtpserve.model.rotary import RotaryEmbedding
 
 
@@ -33,6 +34,30 @@ class ModelOutput(NamedTuple):
 class MTPOutput(NamedTuple):
     hidden_states: paddle.Tensor  # [T, H] after the layer's final_layernorm: feed to compute_logits
     mtp_hidden: paddle.Tensor  # [T, H] before it: feed to the next MTP depth
+
+
+class DraftOutput(NamedTuple):
+    mtp_hidden: paddle.Tensor  # [T or N, H]: feed to the next MTP depth
+    draft_ids: paddle.Tensor  # [M] int64: the depth's greedy drafts at the rows asked for
+
+
+class DraftingModel(Protocol):
+    """What `compose_draft_depth` needs of a model (every family has these)."""
+
+    def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
+                ctx: AttentionContext, kv_layer: int | None = None,
+                out_rows: paddle.Tensor | None = None) -> MTPOutput: ...
+
+    def draft_token_ids(self, hidden_states: paddle.Tensor, index: int = 0) -> paddle.Tensor: ...
+
+
+def compose_draft_depth(model: DraftingModel, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor,
+                        positions: paddle.Tensor, ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
+                        draft_rows: paddle.Tensor | None = None) -> DraftOutput:
+    """A draft depth as separate calls: the MTP layer, the rows wanted, the head and its argmax."""
+    out = model.run_mtp(index, token_ids, prev_hidden, positions, ctx, out_rows=out_rows)
+    head_in = out.hidden_states if draft_rows is None else paddle.gather(out.hidden_states, draft_rows)
+    return DraftOutput(out.mtp_hidden, model.draft_token_ids(head_in, index))
 
 
 class MiMoBody(nn.Layer):
@@ -76,6 +101,13 @@ class MiMoForCausalLM(ServingModelLayer):
         tables = [_TokenTableOf(layer, self.model.embed_tokens) for layer in self.model.mtp_layers
                   if isinstance(layer, MTPLayer)]
         return serving_weights(self) + tables + ([self.draft_head] if self.draft_head is not None else [])
+
+    def _draft_weights(self) -> list[ServingWeight]:
+        """Every MTP layer's projections (its input stage's hidden half included) and the draft head."""
+        groups = serving_weights(self.model.mtp_layers)
+        found = [group.serving for group in groups if isinstance(getattr(group, "serving", None), ServingWeight)]
+        found += [layer.tokens.hidden for layer in self.model.mtp_layers if isinstance(layer, MTPLayer)]
+        return found + ([self.draft_head.serving] if self.draft_head is not None else [])
 
     @property
     def num_mtp_layers(self) -> int:
@@ -121,6 +153,32 @@ class MiMoForCausalLM(ServingModelLayer):
             return self.draft_head(hidden_states)
         return paddle.argmax(self.compute_logits(hidden_states), axis=-1)
 
+    def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
+                    ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
+                    draft_rows: paddle.Tensor | None = None) -> DraftOutput:
+        """MTP depth `index` and its drafts: run_mtp with out_rows, then the greedy draft at each output
+        row in draft_rows ([M] indices into the output; None: every output row).
+
+        NOTE: where the layer op serves, the head and its argmax run inside the depth's one call: from a
+        cache the depth's weights just flushed, each further Paddle call costs ~50 us, more than its work."""
+        layer = self.model.mtp_layers[index % self.num_mtp_layers]
+        assert isinstance(layer, MTPLayer)
+        head = self._draft_head_panels(draft_rows)
+        fused = FusedBlocks.of(ctx, self.rotary, layer, self.tp.size) if head is not None else None
+        if fused is None or not serves_mtp_input(layer):
+            return compose_draft_depth(self, index, token_ids, prev_hidden, positions, ctx, out_rows, draft_rows)
+        out = fused.mtp_depth(layer, token_ids, prev_hidden, index % self.num_mtp_layers, out_rows,
+                              self.config.mtp_zero_position_zero, head)
+        return DraftOutput(out[0], out[2])
+
+    def _draft_head_panels(self, rows: paddle.Tensor | None) -> DraftHeadPanels | None:
+        """The head drafts argmax over, as the layer op reads it (None: no packed panels)."""
+        if self.draft_head is not None:
+            panels, ids = self.draft_head.serving.panels, self.draft_head.ids
+        else:
+            panels, ids = self.lm_head.serving.panels, None
+        return None if panels is None else DraftHeadPanels(panels, ids, rows)
+
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
         """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
@@ -149,9 +207,9 @@ class MiMoForCausalLM(ServingModelLayer):
         kv_index = layer_index if kv_layer is None else kv_layer
         fused = FusedBlocks.of(ctx, self.rotary, layer, self.tp.size)
         if fused is not None and serves_mtp_input(layer):  # NOTE: a CPU host: the whole depth is one op
-            x, normed = fused.mtp_depth(layer, token_ids, prev_hidden, kv_index, out_rows,
-                                        self.config.mtp_zero_position_zero)
-            return MTPOutput(hidden_states=normed, mtp_hidden=x)
+            out = fused.mtp_depth(layer, token_ids, prev_hidden, kv_index, out_rows,
+                                  self.config.mtp_zero_position_zero)
+            return MTPOutput(hidden_states=out[1], mtp_hidden=out[0])
         keep = (positions != 0).astype(prev_hidden.dtype).unsqueeze(-1) if self.config.mtp_zero_position_zero else None
         if fused is not None:
             x = fused.block(layer, layer.project_inputs(token_ids, self.model.embed_tokens, prev_hidden, keep),

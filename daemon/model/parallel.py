@@ -63,11 +63,12 @@ class ServingWeight:
     def __init__(self) -> None:
         self.t: paddle.Tensor | None = None
         self.panels: paddle.Tensor | None = None
+        self.panel_dtype = "float32"  # NOTE: float16 only for draft weights (MiMoForCausalLM.set_draft_weight_dtype)
 
     def freeze(self, weight: paddle.Tensor) -> None:
         with paddle.no_grad():
             self.t = weight.t().contiguous()  # [in, out]
-        self.panels = small_matmul.pack(self.t)
+        self.panels = small_matmul.pack(self.t, self.panel_dtype)
 
     def thaw(self) -> None:
         self.t = self.panels = None

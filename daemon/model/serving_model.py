@@ -13,7 +13,7 @@ import paddle
 
 from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import ModelOutput, MTPOutput
+from mtpserve.model.mimo_model import DraftOutput, ModelOutput, MTPOutput
 from mtpserve.model.parallel import TensorParallel
 
 
@@ -55,6 +55,13 @@ class ServingModel(Protocol):
     def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                 ctx: AttentionContext, kv_layer: int | None = None,
                 out_rows: paddle.Tensor | None = None) -> MTPOutput: ...
+
+    def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
+                    ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
+                    draft_rows: paddle.Tensor | None = None) -> DraftOutput:
+        """run_mtp(index, ...) with out_rows, and its greedy drafts [M] at output rows draft_rows (None:
+        every output row): what draft_token_ids gives on those rows of its hidden_states."""
+        ...
 
     def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor: ...
 

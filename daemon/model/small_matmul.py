@@ -24,13 +24,23 @@ def available() -> bool:
     return cpu_op_available("mtp_small_matmul")
 
 
-def pack(weight_t: paddle.Tensor) -> paddle.Tensor | None:
-    """[K, N] (in, out) -> [N/32, K, 32] panels, or None where the op cannot serve this weight."""
+PANEL_DTYPES = ("float32", "float16")
+
+
+def pack(weight_t: paddle.Tensor, dtype: str = "float32") -> paddle.Tensor | None:
+    """[K, N] (in, out) -> [N/32, K, 32] panels in `dtype`, or None where the op cannot serve this weight.
+
+    float16 panels halve the bytes a product reads (the op widens them exactly as it reads), at the price
+    of rounding the weight once: for weights whose products only guide a guess (model/mimo_model.py's
+    draft weights), never for those that decide the output."""
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"panels are float32 or float16, not {dtype!r}")
     k, n = weight_t.shape
     if n % PANEL or not weight_t.place.is_cpu_place() or weight_t.dtype != paddle.float32 or not available():
         return None
     with paddle.no_grad():
-        return weight_t.reshape([k, n // PANEL, PANEL]).transpose([1, 0, 2]).contiguous()
+        panels = weight_t.reshape([k, n // PANEL, PANEL]).transpose([1, 0, 2]).contiguous()
+        return panels if dtype == "float32" else panels.astype(dtype)
 
 
 def matmul(x: paddle.Tensor, panels: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:

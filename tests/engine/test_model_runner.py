@@ -32,15 +32,16 @@ def tiny_model(seed=0, mtp_layers=1, **widths):
     return model
 
 
-def drafty_model(seed=0, scale=0.6):
+def drafty_model(seed=0, scale=0.6, **widths):
     """A tiny model whose MTP layer drafts well (~75% / 45% / 30% greedy acceptance at k = 3), so the
     accept path is exercised, not only rejection: an untied head maps token x to a fixed permutation
     pi(x), the decoder layers are damped (the residual stream stays close to the current token, with
-    some context), and the MTP input projection passes the next token's embedding through."""
+    some context), and the MTP input projection passes the next token's embedding through. `widths` as
+    tiny_model's."""
     paddle.seed(seed)
-    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80,
-                                        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                        num_nextn_predict_layers=1, tie_word_embeddings=False))
+    sizes = {**dict(hidden_size=48, intermediate_size=80, num_attention_heads=6), **widths}
+    model = MiMoForCausalLM(ModelConfig(vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=2,
+                                        num_nextn_predict_layers=1, tie_word_embeddings=False, **sizes))
     gen = np.random.default_rng(seed)
     state = model.state_dict()
     for name, p in state.items():

@@ -57,6 +57,33 @@ def test_small_matmul_reads_a_strided_input():
     np.testing.assert_allclose(got, x.numpy() @ weight_t, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_float16_panels_compute_the_float16_rounded_weight(rows):
+    """Half the bytes, the same sums: the product equals float64 arithmetic on the weight as float16
+    rounds it (to float32 precision), and the rounding is really there (it differs from float32's)."""
+    gen = np.random.default_rng(rows)
+    # NOTE: magnitudes over many decades, so subnormal and large float16 weights are read too
+    weight_t = (gen.standard_normal((255, 64)) * 10.0 ** gen.uniform(-6, 3, (255, 64))).astype(np.float32)
+    x = gen.standard_normal((rows, 255)).astype(np.float32)
+    bias = gen.standard_normal(64).astype(np.float32)
+    half = small_matmul.pack(paddle.to_tensor(weight_t), "float16")
+    assert half is not None and half.dtype == paddle.float16
+    got = small_matmul.matmul(paddle.to_tensor(x), half, paddle.to_tensor(bias)).numpy()
+    rounded = weight_t.astype(np.float16).astype(np.float64)
+    want = x.astype(np.float64) @ rounded + bias
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    full = small_matmul.matmul(paddle.to_tensor(x), small_matmul.pack(paddle.to_tensor(weight_t))).numpy() + bias
+    assert not np.allclose(got, full, rtol=1e-6, atol=0)
+    for r in range(rows):  # NOTE: row independence holds for float16 panels too
+        alone = small_matmul.matmul(paddle.to_tensor(x[r:r + 1]), half, paddle.to_tensor(bias)).numpy()
+        assert np.array_equal(alone[0], got[r])
+
+
+def test_panels_in_another_dtype_are_refused():
+    with pytest.raises(ValueError, match="float32 or float16"):
+        small_matmul.pack(paddle.zeros([64, 32]), "bfloat16")
+
+
 def test_widths_that_are_not_whole_panels_are_not_packed():
     assert small_matmul.pack(paddle.zeros([64, 40])) is None
 

@@ -3,6 +3,8 @@ block (norm, q/k/v with and without bias, rotate-half RoPE, GQA attention over t
 SwiGLU MLP), on batches of decode rows, verify windows and prefill chunks; the K/V it writes; out_rows;
 rows that are bit-identical whatever shares the call; and that serving actually takes this path."""
 
+import copy
+
 import numpy as np
 import paddle
 import pytest
@@ -11,6 +13,8 @@ from paddle import _C_ops
 from mtpserve.model import fused_layer, small_matmul
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.decoder_layer import DecoderLayer
+from mtpserve.model import mimo_model
+from mtpserve.model.mimo_model import compose_draft_depth
 from mtpserve.model.rotary import RotaryEmbedding
 from model_fixtures import PACKED, Window, make_model, pack
 from numpy_reference import rms_norm, rope
@@ -38,10 +42,17 @@ class Block:
         self.qkv_bias = (0.1 * gen.standard_normal(size=(self.qkv.shape[1],))).astype(np.float32) if bias else None
         self.o, self.gate_up, self.down = w(heads * dim, hidden), w(hidden, 2 * inter), w(inter, hidden)
 
-    def panels(self, weight):
-        packed = small_matmul.pack(paddle.to_tensor(weight))
+    def panels(self, weight, dtype="float32"):
+        packed = small_matmul.pack(paddle.to_tensor(weight), dtype)
         assert packed is not None, "the op's weights must pack into panels"
         return packed
+
+    def rounded(self, dtype) -> "Block":
+        """This block with its four projections rounded to `dtype` (what float16 panels compute with)."""
+        out = copy.copy(self)
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(out, name, getattr(self, name).astype(dtype).astype(np.float32))
+        return out
 
 
 def make_step(seed, new_tokens, cached, hidden=64, kv_heads=2, dim=16, num_blocks=40):
@@ -59,19 +70,19 @@ def make_step(seed, new_tokens, cached, hidden=64, kv_heads=2, dim=16, num_block
 ROTARY = RotaryEmbedding(16, 10000.0, 256)
 
 
-def run_op(block: Block, step: dict, out_rows=None, slots=None):
+def run_op(block: Block, step: dict, out_rows=None, slots=None, panels="float32"):
     """-> (output, K cache, V cache) as NumPy; the caches are the op's in-place writes."""
     assert fused_layer.available(), "the op must be built (make install)"
     k_cache, v_cache = paddle.to_tensor(step["k_cache"]), paddle.to_tensor(step["v_cache"])
     bias = None if block.qkv_bias is None else paddle.to_tensor(block.qkv_bias)
-    args = [paddle.to_tensor(step["x"]), paddle.to_tensor(block.norm1), block.panels(block.qkv), bias,
-            block.panels(block.o), paddle.to_tensor(block.norm2), block.panels(block.gate_up),
-            block.panels(block.down), ROTARY.cos_table, ROTARY.signed_sin_table,
+    args = [paddle.to_tensor(step["x"]), paddle.to_tensor(block.norm1), block.panels(block.qkv, panels), bias,
+            block.panels(block.o, panels), paddle.to_tensor(block.norm2), block.panels(block.gate_up, panels),
+            block.panels(block.down, panels), ROTARY.cos_table, ROTARY.signed_sin_table,
             paddle.to_tensor(step["positions"]), paddle.to_tensor(step["slots"] if slots is None else slots),
             k_cache, v_cache, paddle.to_tensor(step["tables"]), paddle.to_tensor(step["cu"]),
             paddle.to_tensor(step["lens"]), None if out_rows is None else paddle.to_tensor(out_rows)]
     out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
-        fused_layer.OP, *args, None, None, None, None, None, block.heads, EPS, BS, False)[0]
+        fused_layer.OP, *args, None, None, None, None, None, None, None, None, block.heads, EPS, BS, False)[0]
     return out.numpy(), k_cache.numpy(), v_cache.numpy()
 
 
@@ -219,3 +230,54 @@ def test_a_float16_cache_is_written_rounded_as_numpy_rounds_and_read_back():
     want, _, _ = reference(block, half)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_float16_panels_compute_the_block_of_the_rounded_weights():
+    """An MTP layer's weights may be packed in float16 (draft_weight_dtype): the op then computes the
+    block of the weights as float16 rounds them, prefill and decode rows alike."""
+    block = Block(21, 64, 4, 2, 16, 96)
+    step = make_step(22, [3, 1, 5], [9, 20, 2])
+    got, k_cache, _ = run_op(block, step, panels="float16")
+    want, want_k, _ = reference(block.rounded(np.float16), step)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(k_cache, want_k, rtol=2e-4, atol=2e-4)
+    full, _, _ = run_op(block, step)
+    assert not np.allclose(got, full, rtol=1e-6, atol=0)  # NOTE: the rounding is really there
+
+
+@pytest.mark.parametrize("weights", ["float32", "float16"])
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_a_depth_drafting_inside_its_call_drafts_what_separate_calls_draft(draft_vocab, weights, monkeypatch):
+    """draft_depth with the head in the layer op (one call) against run_mtp + gather + draft_token_ids:
+    the same ids at the rows asked for, and the same hidden for the next depth; at the full vocabulary
+    and at a draft vocabulary, with float32 and float16 draft weights."""
+    model = make_model(7, **PACKED, vocab_size=128)
+    if draft_vocab is not None:
+        model.set_draft_vocab(np.random.default_rng(8).permutation(128)[:draft_vocab])
+    model.set_draft_weight_dtype(weights)
+    mtp_qkv = model.model.mtp_layers[0].self_attn.qkv.serving.panels
+    assert mtp_qkv is not None and mtp_qkv.dtype == getattr(paddle, weights)
+    assert model.model.layers[0].self_attn.qkv.serving.panels.dtype == paddle.float32
+    c = model.config
+    ids = np.random.default_rng(9).integers(1, c.vocab_size, 12)
+    windows = [Window(ids=ids[:7].tolist(), start=0, blocks=[0, 1]), Window(ids=ids[7:11].tolist(), start=0, blocks=[2])]
+    batch = pack(windows, block_size=4, max_blocks=2)
+    hidden = model.forward(batch, model.allocate_kv(c.num_hidden_layers, 8, 4)).mtp_hidden
+    shifted = paddle.to_tensor(ids[1:12].astype(np.int64))
+    rows = paddle.to_tensor(np.array([2, 6, 10], np.int64))
+    layers = c.num_nextn_predict_layers
+    head = model._draft_head_panels(rows)
+    assert head is not None and fused_layer.FusedBlocks.of(
+        PagedContext(batch, model.allocate_kv(layers, 8, 4)), model.rotary, model.model.mtp_layers[0], 1) is not None
+    for depth, out_rows, draft_rows in ((0, None, rows), (1, rows, None)):
+        with monkeypatch.context() as patched:  # NOTE: the one-call path may not fall back to separate calls
+            patched.setattr(mimo_model, "compose_draft_depth", None)
+            one = model.draft_depth(depth, shifted, hidden, batch.positions,
+                                    PagedContext(batch, model.allocate_kv(layers, 8, 4)), out_rows, draft_rows)
+        apart = compose_draft_depth(model, depth, shifted, hidden, batch.positions,
+                                    PagedContext(batch, model.allocate_kv(layers, 8, 4)), out_rows, draft_rows)
+        assert one.draft_ids.shape == [3]
+        np.testing.assert_array_equal(one.draft_ids.numpy(), apart.draft_ids.numpy())
+        np.testing.assert_array_equal(one.mtp_hidden.numpy(), apart.mtp_hidden.numpy())
+        if draft_vocab is not None:
+            assert set(one.draft_ids.numpy().tolist()) <= set(model.draft_head.ids.numpy().tolist())
