@@ -27,13 +27,15 @@
 //                   norm(x; hidden_norm) @ hidden_panels + token_table[token_ids] (the token half of
 //                   input_proj, tabulated; zero at position 0 when zero_position_zero)
 //   final_norm      [H] or absent: also return the output normalised by it
-//   A draft depth's head, so that its drafts need no further call (it needs final_norm):
+//   A head, so that the logits and the greedy tokens of a model's last block or of a draft depth need no
+//   further call (it needs final_norm):
 //   head_panels     [V'/32, H, 32] or absent: a head over V' tokens (the LM head, or a draft vocabulary's)
 //   head_ids        [V'] int64 or absent: the vocabulary id of each head column (absent: the column)
 //   head_rows       [M] int64 or absent: the output rows the head reads (absent: every output row)
 // Outputs: [T or N, H], the block's output (residual stream after the MLP); [T or N, H] its final norm
 // ([0, H] without final_norm); [M] int64 the head's argmax ids ([0] without head_panels), the first
-// column of the largest logit on ties, as paddle.argmax picks.
+// column of the largest logit on ties, as paddle.argmax picks; [M, V'] the head's logits ([0, 0]
+// without head_panels).
 //
 // Every row is computed the same way whatever rows share the call (the panel product and the attention
 // both keep that property), so a token's logits do not depend on its batch.
@@ -114,10 +116,13 @@ struct Shapes {
   int64_t tokens, hidden, heads, kv_heads, dim, inter, qkv_width;
 };
 
-// The head's argmax ids of rows `head_rows` of `normed` [R, H] (all R rows without it), [0] without a head.
-paddle::Tensor DraftIds(const paddle::Tensor& normed, const OptTensor& head_panels, const OptTensor& head_ids,
-                        const OptTensor& head_rows, bool has_final_norm) {
-  if (!head_panels) return paddle::empty({0}, paddle::DataType::INT64, normed.place());
+// The head's (argmax ids [M], logits [M, V']) at rows `head_rows` of `normed` [R, H] (all R rows without
+// it); ([0], [0, 0]) without a head.
+std::vector<paddle::Tensor> Head(const paddle::Tensor& normed, const OptTensor& head_panels, const OptTensor& head_ids,
+                                 const OptTensor& head_rows, bool has_final_norm) {
+  if (!head_panels)
+    return {paddle::empty({0}, paddle::DataType::INT64, normed.place()),
+            paddle::empty({0, 0}, paddle::DataType::FLOAT32, normed.place())};
   PD_CHECK(has_final_norm, "a head reads the final norm: it needs final_norm");
   const int64_t rows = normed.shape()[0], hidden = normed.shape()[1];
   const Panels head = CheckedPanels(*head_panels, hidden, "head_panels");
@@ -135,23 +140,24 @@ paddle::Tensor DraftIds(const paddle::Tensor& normed, const OptTensor& head_pane
     pick = head_rows->data<int64_t>();
     for (int64_t r = 0; r < m; ++r) PD_CHECK(pick[r] >= 0 && pick[r] < rows, "a head row is outside the output");
   }
-  thread_local std::vector<float> in, logits;
+  thread_local std::vector<float> in;
   in.resize(static_cast<size_t>(m * hidden));
-  logits.resize(static_cast<size_t>(m * head.n));
   const float* nd = normed.data<float>();
   for (int64_t r = 0; r < m; ++r)
     std::memcpy(in.data() + r * hidden, nd + (pick ? pick[r] : r) * hidden, sizeof(float) * hidden);
-  Multiply(in.data(), m, head, nullptr, logits.data());
+  paddle::Tensor logits = paddle::empty({m, head.n}, paddle::DataType::FLOAT32, normed.place());
+  float* ld = logits.data<float>();
+  Multiply(in.data(), m, head, nullptr, ld);
   paddle::Tensor out = paddle::empty({m}, paddle::DataType::INT64, normed.place());
   int64_t* od = out.data<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
-    const float* row = logits.data() + r * head.n;
+    const float* row = ld + r * head.n;
     int64_t best = 0;
     for (int64_t j = 1; j < head.n; ++j)
       if (row[j] > row[best]) best = j;  // NOTE: strictly greater: the first of equal maxima wins
     od[r] = ids ? ids[best] : best;
   }
-  return out;
+  return {out, logits};
 }
 
 std::vector<paddle::Tensor> DecoderLayer(
@@ -281,8 +287,8 @@ std::vector<paddle::Tensor> DecoderLayer(
   AddInto(od, h.data(), rows * s.hidden);
   if (final_w != nullptr) mtp::RmsNormRows(od, final_w, normed_out.data<float>(), rows, s.hidden, eps);
   // 5. a draft depth's head: the argmax over its columns of the wanted normalised rows
-  paddle::Tensor drafts = DraftIds(normed_out, head_panels, head_ids, head_rows, final_w != nullptr);
-  return {out, normed_out, drafts};
+  std::vector<paddle::Tensor> head = Head(normed_out, head_panels, head_ids, head_rows, final_w != nullptr);
+  return {out, normed_out, head[0], head[1]};
 }
 
 std::vector<std::vector<int64_t>> DecoderLayerShape(
@@ -301,8 +307,9 @@ std::vector<std::vector<int64_t>> DecoderLayerShape(
     const paddle::optional<std::vector<int64_t>>& head_panels, const paddle::optional<std::vector<int64_t>>& head_ids,
     const paddle::optional<std::vector<int64_t>>& head_rows) {
   const int64_t rows = out_rows ? (*out_rows)[0] : x[0];
-  const int64_t drafts = head_panels ? (head_rows ? (*head_rows)[0] : rows) : 0;
-  return {{rows, x[1]}, {final_norm ? rows : 0, x[1]}, {drafts}};
+  const int64_t picked = head_panels ? (head_rows ? (*head_rows)[0] : rows) : 0;
+  const int64_t columns = head_panels ? (*head_panels)[0] * mtp::kPanelColumns : 0;
+  return {{rows, x[1]}, {final_norm ? rows : 0, x[1]}, {picked}, {picked, columns}};
 }
 
 std::vector<paddle::DataType> DecoderLayerDtype(
@@ -317,7 +324,7 @@ std::vector<paddle::DataType> DecoderLayerDtype(
     const paddle::optional<paddle::DataType>& hidden_panels, const paddle::optional<paddle::DataType>& final_norm,
     const paddle::optional<paddle::DataType>& head_panels, const paddle::optional<paddle::DataType>& head_ids,
     const paddle::optional<paddle::DataType>& head_rows) {
-  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32, paddle::DataType::INT64};
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32, paddle::DataType::INT64, paddle::DataType::FLOAT32};
 }
 
 }  // namespace
@@ -329,7 +336,7 @@ PD_BUILD_OP(mtp_decoder_layer)
              paddle::Optional("token_ids"), paddle::Optional("token_table"), paddle::Optional("hidden_norm"),
              paddle::Optional("hidden_panels"), paddle::Optional("final_norm"), paddle::Optional("head_panels"),
              paddle::Optional("head_ids"), paddle::Optional("head_rows")})
-    .Outputs({"out", "normed_out", "draft_ids", "k_out", "v_out"})
+    .Outputs({"out", "normed_out", "head_ids_out", "head_logits", "k_out", "v_out"})
     .SetInplaceMap({{"k_cache", "k_out"}, {"v_cache", "v_out"}})
     .Attrs({"heads: int", "eps: float", "block_size: int", "zero_position_zero: bool"})
     .SetKernelFn(PD_KERNEL(DecoderLayer))

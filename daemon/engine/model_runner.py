@@ -81,11 +81,10 @@ class PaddleModelRunner:
             win = self.state.window(plan)
             batch = self._forward_batch(plan, win)
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
-            out = self.model.run(batch.input_ids, batch.positions, ctx)
             rows = win.verify_index(plan.is_prefill, plan.verify_width)  # [B, W]
-            rows_dev = host_tensor(rows.reshape(-1))
-            logits = self.model.compute_logits(paddle.gather(out.hidden_states, rows_dev))  # [B*W, V]
-            v = self._decide(plan, logits)
+            out = self.model.forward_step(batch.input_ids, batch.positions, ctx, host_tensor(rows.reshape(-1)))
+            logits = out.logits  # [B*W, V]
+            v = self._decide(plan, logits, out.greedy)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
@@ -129,9 +128,10 @@ class PaddleModelRunner:
             block_tables=host_tensor(tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
 
-    def _decide(self, plan: StepPlan, logits: paddle.Tensor) -> Verified:
+    def _decide(self, plan: StepPlan, logits: paddle.Tensor, raw_greedy: paddle.Tensor | None) -> Verified:
         """Penalties and filters on every verify row, then greedy/rejection verification of decode
-        rows and a plain draw for prefill rows. logits: [B*(k+1), V], k = the step's widest window.
+        rows and a plain draw for prefill rows. logits: [B*(k+1), V], k = the step's widest window;
+        raw_greedy: their argmax [B*(k+1)] if the forward made it.
 
         NOTE: a row verifying fewer drafts than k has its missing drafts set to -1, which no target
         equals and the sampled verifier rejects, so its window ends with a plain draw where it ends."""
@@ -140,7 +140,8 @@ class PaddleModelRunner:
         has_draft = np.arange(k)[None, :] < plan.num_drafts[:, None]  # [B, k]
         drafts = np.where(has_draft, self.state.drafts[slots, :k], -1)  # [B, k]
         if self._is_plain_greedy(slots):
-            return self._greedy(plan, paddle.argmax(logits, axis=-1).reshape([b, k + 1]), drafts)
+            target = paddle.argmax(logits, axis=-1) if raw_greedy is None else raw_greedy
+            return self._greedy(plan, target.numpy().reshape(b, k + 1), drafts)
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
         params = self.sampling.row_params(slots, out_index, self.state)
         counts, mask = self.sampling.penalty_inputs(slots, np.maximum(drafts, 0)) or (None, None)
@@ -148,7 +149,7 @@ class PaddleModelRunner:
         greedy = paddle.argmax(logits, axis=-1).reshape([b, k + 1])
         if not (self.sampling.temperature[slots] > 0).any():
             # NOTE: an all-greedy batch needs neither probabilities nor random numbers.
-            return self._greedy(plan, greedy, drafts)
+            return self._greedy(plan, greedy.numpy(), drafts)
         probs = probs_from(logits, params).reshape([b, k + 1, -1])
         keys, idx = params.keys.reshape([b, k + 1]), params.out_index.reshape([b, k + 1])
         u_sample = rng.uniforms(keys, idx, rng.Purpose.SAMPLE)  # [B, k+1]
@@ -166,9 +167,8 @@ class PaddleModelRunner:
         return not ((sp.temperature[slots] > 0).any() or sp.has_penalty[slots].any()
                     or (st.min_tokens[slots] > st.out_len[slots]).any())
 
-    def _greedy(self, plan: StepPlan, greedy: paddle.Tensor, drafts: np.ndarray) -> Verified:
-        """greedy: [B, k+1] argmax per verify row."""
-        target = greedy.numpy()
+    def _greedy(self, plan: StepPlan, target: np.ndarray, drafts: np.ndarray) -> Verified:
+        """target: [B, k+1] argmax per verify row."""
         if target.shape[1] == 1:
             return self._finish_verify(plan, target[:, 0], None)
         tokens, accepted = verify_greedy_numpy(target, drafts)

@@ -28,7 +28,8 @@ from mtpserve.model.decoder_layer import MLP, ServingModelLayer
 from mtpserve.model.deepseek_config import DeepseekV3Config
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import DraftOutput, ModelOutput, MTPOutput, compose_draft_depth
+from mtpserve.model.mimo_model import (DraftOutput, ModelOutput, MTPOutput, StepForward, compose_draft_depth,
+                                       compose_forward_step)
 from mtpserve.model.mla import MLAttention
 from mtpserve.model.moe import MoE
 from mtpserve.model.norm import RMSNorm
@@ -152,6 +153,10 @@ class DeepseekV3ForCausalLM(ServingModelLayer):
         kv_index = index % self.num_mtp_layers if kv_layer is None else kv_layer
         x = layer.predict(token_ids, prev_hidden, positions, self.rotary.cos_sin(positions), ctx, kv_index, out_rows)
         return MTPOutput(hidden_states=layer.shared_head.norm(x), mtp_hidden=x)
+
+    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
+                     logit_rows: paddle.Tensor) -> StepForward:
+        return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
 
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                     ctx: AttentionContext, out_rows: paddle.Tensor | None = None,

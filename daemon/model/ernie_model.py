@@ -29,7 +29,8 @@ from mtpserve.model.decoder_layer import MLP, Attention, ServingModelLayer
 from mtpserve.model.ernie_config import ErnieMoeConfig
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import DraftOutput, ModelOutput, MTPOutput, compose_draft_depth
+from mtpserve.model.mimo_model import (DraftOutput, ModelOutput, MTPOutput, StepForward, compose_draft_depth,
+                                       compose_forward_step)
 from mtpserve.model.moe import routed_sum
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import SINGLE, ParallelLMHead, ReplicatedLinear, TensorParallel, VocabParallelEmbedding, _weight
@@ -165,6 +166,10 @@ class Ernie4_5_MoeForCausalLM(ServingModelLayer):
         x = m.mtp_block[j](x, self.rotary.cos_sin(positions), ctx, j if kv_layer is None else kv_layer, out_rows)
         normed = m.norm(x)
         return MTPOutput(hidden_states=normed, mtp_hidden=normed if self.config.mtp_hidden_after_norm else x)
+
+    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
+                     logit_rows: paddle.Tensor) -> StepForward:
+        return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
 
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                     ctx: AttentionContext, out_rows: paddle.Tensor | None = None,

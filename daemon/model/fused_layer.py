@@ -68,12 +68,20 @@ class FusedBlocks:
         every token's K/V is written, the MLP runs on those rows only)."""
         return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, _NO_HEAD, False)[0]
 
+    def last_block(self, blk: DenseBlock, x: paddle.Tensor, layer: int, final_norm: paddle.Tensor,
+                   head: HeadPanels) -> list[paddle.Tensor]:
+        """A model's last block with its final norm and head in the same call: x [T, H] -> the op's
+        outputs: [0] the block's output [T, H], [1] it normalised by final_norm, [2] the head's argmax
+        ids [M] and [3] its logits [M, V'] at `head.rows`."""
+        return self._call(blk, x, layer, None, (None, None, None, None, final_norm), head, False)
+
     def mtp_depth(self, mtp: MTPLayer, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, layer: int,
                   out_rows: paddle.Tensor | None, zero_position_zero: bool,
-                  head: DraftHeadPanels | None = None) -> list[paddle.Tensor]:
+                  head: HeadPanels | None = None) -> list[paddle.Tensor]:
         """An MTP layer in one call, its input stage included (see MTPLayer.forward): token_ids [T],
         prev_hidden [T, H] -> the op's outputs: [0] its hidden before final_layernorm, [1] after it (each
-        [T or N, H]), [2] with `head` its drafts [M], the head's argmax ids at `head.rows` of [1]."""
+        [T or N, H]), and with `head`: [2] its drafts [M], the head's argmax ids at `head.rows` of [1],
+        [3] their logits [M, V']."""
         tokens = mtp.tokens
         extra = (token_ids, tokens.table, mtp.hidden_layernorm.weight, tokens.hidden.panels,
                  mtp.final_layernorm.weight)
@@ -87,9 +95,10 @@ class FusedBlocks:
             *mtp_input, *head, heads, eps, self._kv.block_size, zero_position_zero)
 
 
-class DraftHeadPanels(NamedTuple):
-    """A draft depth's head as the op reads it: panels [V'/32, H, 32], the vocabulary id of each column
-    ([V'] int64, None: the column itself), and the output rows it reads ([M] int64, None: all)."""
+class HeadPanels(NamedTuple):
+    """A head as the op reads it (the LM head after a model's last block, or a draft depth's): panels
+    [V'/32, H, 32], the vocabulary id of each column ([V'] int64, None: the column itself), and the
+    output rows it reads ([M] int64, None: all)."""
 
     panels: paddle.Tensor
     ids: paddle.Tensor | None

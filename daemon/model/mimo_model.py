@@ -17,7 +17,7 @@ from mtpserve.model.config import ModelConfig
 from mtpserve.model.decoder_layer import DecoderLayer, ServingModelLayer, serving_weights
 from mtpserve.model.draft_vocab import DraftHead, check_token_ids
 from mtpserve.model.forward_batch import ForwardBatch
-from mtpserve.model.fused_layer import DraftHeadPanels, FusedBlocks, serves_mtp_input
+from mtpserve.model.fused_layer import HeadPanels, FusedBlocks, serves_mtp_input
 from mtpserve.model.kv_cache import KVCache
 from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model.norm import RMSNorm
@@ -34,6 +34,29 @@ class ModelOutput(NamedTuple):
 class MTPOutput(NamedTuple):
     hidden_states: paddle.Tensor  # [T, H] after the layer's final_layernorm: feed to compute_logits
     mtp_hidden: paddle.Tensor  # [T, H] before it: feed to the next MTP depth
+
+
+class StepForward(NamedTuple):
+    """The main model's part of a step: what the MTP depths read, and the logits at the rows asked for."""
+
+    mtp_hidden: paddle.Tensor  # [T, H]: feed to the first MTP depth
+    logits: paddle.Tensor  # [N, V] fp32, raw
+    greedy: paddle.Tensor | None  # [N] int64, the argmax of logits (first on ties); None: not computed
+
+
+class LogitModel(Protocol):
+    """What `compose_forward_step` needs of a model (every family has these)."""
+
+    def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput: ...
+
+    def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor: ...
+
+
+def compose_forward_step(model: LogitModel, input_ids: paddle.Tensor, positions: paddle.Tensor,
+                         ctx: AttentionContext, logit_rows: paddle.Tensor) -> StepForward:
+    """The main model, then the rows wanted and the head, as separate calls."""
+    out = model.run(input_ids, positions, ctx)
+    return StepForward(out.mtp_hidden, model.compute_logits(paddle.gather(out.hidden_states, logit_rows)), None)
 
 
 class DraftOutput(NamedTuple):
@@ -153,6 +176,30 @@ class MiMoForCausalLM(ServingModelLayer):
             return self.draft_head(hidden_states)
         return paddle.argmax(self.compute_logits(hidden_states), axis=-1)
 
+    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
+                     logit_rows: paddle.Tensor) -> StepForward:
+        """`run`, then the raw logits (and where the layer op serves, their argmax) of token rows
+        logit_rows [N].
+
+        NOTE: where the layer op serves, the final norm and the LM head run inside the last block's call
+        (as a draft depth's head does, draft_depth says why)."""
+        head = self.lm_head.serving.panels
+        first = self.model.layers[0]
+        assert isinstance(first, DecoderLayer)
+        fused = FusedBlocks.of(ctx, self.rotary, first, self.tp.size) if head is not None else None
+        if fused is None:
+            return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            if i < last:
+                x = fused.block(layer, x, i)
+                continue
+            out = fused.last_block(layer, x, i, self.model.norm.weight, HeadPanels(head, None, logit_rows))
+            return StepForward(out[1] if self.config.mtp_hidden_after_norm else out[0], out[3], out[2])
+        raise ValueError("a model without layers")
+
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                     ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
                     draft_rows: paddle.Tensor | None = None) -> DraftOutput:
@@ -171,13 +218,13 @@ class MiMoForCausalLM(ServingModelLayer):
                               self.config.mtp_zero_position_zero, head)
         return DraftOutput(out[0], out[2])
 
-    def _draft_head_panels(self, rows: paddle.Tensor | None) -> DraftHeadPanels | None:
+    def _draft_head_panels(self, rows: paddle.Tensor | None) -> HeadPanels | None:
         """The head drafts argmax over, as the layer op reads it (None: no packed panels)."""
         if self.draft_head is not None:
             panels, ids = self.draft_head.serving.panels, self.draft_head.ids
         else:
             panels, ids = self.lm_head.serving.panels, None
-        return None if panels is None else DraftHeadPanels(panels, ids, rows)
+        return None if panels is None else HeadPanels(panels, ids, rows)
 
     def run(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext) -> ModelOutput:
         """input_ids, positions: [T] -> ModelOutput; the attention context decides what each token sees."""

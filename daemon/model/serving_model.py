@@ -13,7 +13,7 @@ import paddle
 
 from mtpserve.model.attention_context import AttentionContext
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import DraftOutput, ModelOutput, MTPOutput
+from mtpserve.model.mimo_model import DraftOutput, ModelOutput, MTPOutput, StepForward
 from mtpserve.model.parallel import TensorParallel
 
 
@@ -55,6 +55,12 @@ class ServingModel(Protocol):
     def run_mtp(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                 ctx: AttentionContext, kv_layer: int | None = None,
                 out_rows: paddle.Tensor | None = None) -> MTPOutput: ...
+
+    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
+                     logit_rows: paddle.Tensor) -> StepForward:
+        """`run`, then the raw logits [N, V] of token rows logit_rows [N] (and their argmax, where it
+        comes at no extra call)."""
+        ...
 
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                     ctx: AttentionContext, out_rows: paddle.Tensor | None = None,

@@ -281,3 +281,25 @@ def test_a_depth_drafting_inside_its_call_drafts_what_separate_calls_draft(draft
         np.testing.assert_array_equal(one.mtp_hidden.numpy(), apart.mtp_hidden.numpy())
         if draft_vocab is not None:
             assert set(one.draft_ids.numpy().tolist()) <= set(model.draft_head.ids.numpy().tolist())
+
+
+@pytest.mark.parametrize("after_norm", [False, True])
+def test_the_last_block_with_the_lm_head_in_its_call_gives_the_logits_of_separate_calls(after_norm, monkeypatch):
+    """forward_step with the final norm and the LM head inside the last block's call against run +
+    gather + compute_logits: bit-equal logits at the rows asked for, their argmax, the same MTP input."""
+    model = make_model(11, **PACKED, vocab_size=128, mtp_hidden_after_norm=after_norm)
+    c = model.config
+    ids = np.random.default_rng(12).integers(1, c.vocab_size, 11)
+    batch = pack([Window(ids=ids[:7].tolist(), start=0, blocks=[0, 1]), Window(ids=ids[7:].tolist(), start=0, blocks=[2])],
+                 block_size=4, max_blocks=2)
+    rows = paddle.to_tensor(np.array([4, 5, 6, 10, 10], np.int64))
+    with monkeypatch.context() as patched:  # NOTE: the one-call path may not fall back to separate calls
+        patched.setattr(mimo_model, "compose_forward_step", None)
+        one = model.forward_step(batch.input_ids, batch.positions,
+                                 PagedContext(batch, model.allocate_kv(c.num_hidden_layers, 8, 4)), rows)
+    apart = mimo_model.compose_forward_step(model, batch.input_ids, batch.positions,
+                                            PagedContext(batch, model.allocate_kv(c.num_hidden_layers, 8, 4)), rows)
+    assert one.logits.shape == [5, 128] and one.greedy is not None
+    np.testing.assert_array_equal(one.logits.numpy(), apart.logits.numpy())
+    np.testing.assert_array_equal(one.greedy.numpy(), apart.logits.numpy().argmax(-1))
+    np.testing.assert_array_equal(one.mtp_hidden.numpy(), apart.mtp_hidden.numpy())
