@@ -7,7 +7,7 @@ exposes each op as a typed Python function. Only rank processes import it (it im
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,7 +17,7 @@ from paddle import _C_ops
 from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
 from mtpserve.config import IpcConfig
-from mtpserve.host_tensor import host_tensor
+from mtpserve.host_tensor import StagedTensors
 from mtpserve.ipc import wire
 from mtpserve.ipc.output_channel import ChannelAddress
 
@@ -99,6 +99,9 @@ class OutputSender:
     vocab_size: int
     send_rank: int = 0
     max_pending_bytes: int = IpcConfig.max_pending_bytes  # NOTE: the configuration's default
+    # NOTE: a frame's columns, reused frame to frame: the send op packs them before it returns. One
+    # sender is used from one thread (the rank loop's).
+    _staged: StagedTensors = field(default_factory=StagedTensors, repr=False, compare=False)
 
     def _address_attrs(self) -> tuple:
         a = self.address
@@ -115,9 +118,9 @@ class OutputSender:
         · num_tokens [B] · finish [B] wire.Finish · token_ids [N] flat or [B, T] padded.
         num_topk: the real top-k width to send (<= K_max, <= 20).
         """
-        lp = _tensors(*(logprobs or (None, None, None, None)))
-        req_ids, seq, num_tokens, finish, token_ids = _tensors(req_ids, seq, num_tokens, finish,
-                                                                token_ids)
+        lp = self._columns(LOGPROB_COLUMNS, logprobs or (None, None, None, None))
+        req_ids, seq, num_tokens, finish, token_ids = self._columns(
+            ("req_ids", "seq", "num_tokens", "finish", "token_ids"), (req_ids, seq, num_tokens, finish, token_ids))
         return _run_one("mtp_output_send", req_ids, seq, num_tokens, finish, token_ids, *lp, None,
                          int(kind), step_id, num_topk if logprobs else 0, self.vocab_size,
                          self.address.instance_tag, *self._address_attrs())
@@ -127,9 +130,9 @@ class OutputSender:
                          logprobs: StepLogprobs | None = None, num_topk: int = 0,
                          draft_ids: HostArray | None = None) -> paddle.Tensor:
         """Send a FIRST_TOKEN frame from a prefill instance: token_ids [B], draft_ids [B, D]."""
-        lp = _tensors(*(logprobs or (None, None, None, None)))
-        req_ids, seq, finish, token_ids, draft_ids = _tensors(req_ids, seq, finish, token_ids,
-                                                              draft_ids)
+        lp = self._columns(LOGPROB_COLUMNS, logprobs or (None, None, None, None))
+        req_ids, seq, finish, token_ids, draft_ids = self._columns(
+            ("req_ids", "seq", "finish", "token_ids", "draft_ids"), (req_ids, seq, finish, token_ids, draft_ids))
         return _run_one("mtp_output_send_first_token", req_ids, seq, finish, token_ids, *lp, draft_ids,
                          step_id, num_topk if logprobs else 0, self.vocab_size,
                          self.address.instance_tag, *self._address_attrs())
@@ -146,6 +149,11 @@ class OutputSender:
         """Detach this process from the channel; the status tells how many frames never went out."""
         return SendStatus.of(_run_one("mtp_output_close", _dummy(), self.address.ring_name))
 
+    def _columns(self, names: tuple[str, ...], arrays: tuple) -> tuple:
+        """Host tensors for the op: tensors as they are, NumPy arrays staged, None stays None."""
+        return tuple(a if a is None or isinstance(a, paddle.Tensor) else self._staged.stage(name, a)
+                     for name, a in zip(names, arrays))
+
 
 def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finish, token_ids,
                logprobs: StepLogprobs | None = None, num_topk: int = 0, draft_ids=None,
@@ -156,10 +164,7 @@ def pack_frame(*, kind: wire.Kind, step_id: int, req_ids, seq, num_tokens, finis
                      int(kind), step_id, num_topk if logprobs else 0, vocab_size, instance_tag)
 
 
-def _tensors(*arrays) -> tuple:
-    """Host tensors for the op; NumPy arrays are wrapped (one copy each), None stays None."""
-    return tuple(a if a is None or isinstance(a, paddle.Tensor) else host_tensor(a)
-                 for a in arrays)
+LOGPROB_COLUMNS = ("token_logprobs", "token_ranks", "topk_ids", "topk_logprobs")
 
 
 @functools.cache

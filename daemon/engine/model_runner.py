@@ -23,7 +23,7 @@ from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window, block_rows
 from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
-from mtpserve.host_tensor import host_tensor
+from mtpserve.host_tensor import StagedTensors, host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -59,7 +59,9 @@ class PaddleModelRunner:
         self.state = SlotState(config.max_num_seqs, k, config.num_blocks, config.block_size)
         self.sampling = SlotSampling(config.max_num_seqs, mc.vocab_size)
         depth_caches = [_one_layer_for_all(model.allocate_kv(1, *kv_args), model.num_mtp_layers) for _ in range(k)]
-        self.proposer = MTPProposer(model, depth_caches) if k else None
+        # NOTE: a step's index tensors, reused across steps; only the device thread touches them
+        self._staged = StagedTensors()
+        self.proposer = MTPProposer(model, depth_caches, self._staged) if k else None
         self._stream = DeviceStream("model-device")
 
     def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
@@ -81,8 +83,8 @@ class PaddleModelRunner:
             win = self.state.window(plan)
             batch = self._forward_batch(plan, win)
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
-            rows = win.verify_index(plan.is_prefill, plan.verify_width)  # [B, W]
-            out = self.model.forward_step(batch.input_ids, batch.positions, ctx, host_tensor(rows.reshape(-1)))
+            rows = self._staged.stage("logit_rows", win.verify_index(plan.is_prefill, plan.verify_width).reshape(-1))
+            out = self.model.forward_step(batch.input_ids, batch.positions, ctx, rows)  # logits [B*W, V]
             logits = out.logits  # [B*W, V]
             v = self._decide(plan, logits, out.greedy)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
@@ -120,12 +122,15 @@ class PaddleModelRunner:
         seq_lens_kv = win.start + plan.num_tokens
         max_blocks = int(-(-seq_lens_kv.max() // self.config.block_size))
         tables = self.state.block_table[plan.slots, :max_blocks]
+        stage = self._staged.stage
+        # NOTE: positions get a tensor of their own each step: RotaryEmbedding.cos_sin keeps its lookup
+        # for the last positions tensor it saw, and a staged one would be the same object every step
         return ForwardBatch(
-            input_ids=host_tensor(win.token_ids), positions=host_tensor(win.positions),
-            slot_mapping=host_tensor(win.slot_mapping),
-            cu_seqlens_q=host_tensor(win.cu.astype(np.int32)),
-            seq_lens_kv=host_tensor(seq_lens_kv.astype(np.int32)),
-            block_tables=host_tensor(tables.astype(np.int32)),
+            input_ids=stage("input_ids", win.token_ids), positions=host_tensor(win.positions),
+            slot_mapping=stage("slot_mapping", win.slot_mapping),
+            cu_seqlens_q=stage("cu_seqlens_q", win.cu.astype(np.int32)),
+            seq_lens_kv=stage("seq_lens_kv", seq_lens_kv.astype(np.int32)),
+            block_tables=stage("block_tables", tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
 
     def _decide(self, plan: StepPlan, logits: paddle.Tensor, raw_greedy: paddle.Tensor | None) -> Verified:

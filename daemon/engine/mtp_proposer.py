@@ -27,7 +27,7 @@ import paddle
 
 from mtpserve.engine.slot_state import SlotState, Window
 from mtpserve.engine.step_plan import StepPlan
-from mtpserve.host_tensor import host_tensor
+from mtpserve.host_tensor import StagedTensors
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
@@ -35,8 +35,9 @@ from mtpserve.model.serving_model import ServingModel
 
 
 class MTPProposer:
-    def __init__(self, model: ServingModel, kv_per_depth: list[KVCache]) -> None:
+    def __init__(self, model: ServingModel, kv_per_depth: list[KVCache], staged: StagedTensors | None = None) -> None:
         self.model, self.kv, self.k = model, kv_per_depth, len(kv_per_depth)
+        self._staged = staged or StagedTensors()  # NOTE: the runner's: one step's index tensors
 
     def propose(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
                 main_hidden: paddle.Tensor, verified, num_emitted: np.ndarray, reason: np.ndarray,
@@ -47,12 +48,12 @@ class MTPProposer:
         frontier = np.where(plan.is_prefill, plan.num_tokens - 1, verified.num_accepted)  # [B]
         ahead, known = self._ahead(plan, win, verified.token_ids)  # [B, W] each
         offset = np.arange(win.cu[-1]) - win.cu[win.row_of]  # [T]
-        at_frontier = host_tensor(win.cu[:-1] + frontier)  # [B]
+        at_frontier = self._staged.stage("frontier", win.cu[:-1] + frontier)  # [B]
         rows = np.arange(plan.num_rows)
         hidden = main_hidden
         depths = plan.num_depths
         for depth in range(depths):
-            shifted = host_tensor(ahead[win.row_of, offset + depth])  # [T]
+            shifted = self._staged.stage("shifted", ahead[win.row_of, offset + depth])  # [T]
             last = depth == depths - 1
             # NOTE: the last depth's hidden feeds no further depth: only its frontier rows are needed.
             out = self.model.draft_depth(depth, shifted, hidden, batch.positions, self._context(ctx, depth),

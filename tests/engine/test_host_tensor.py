@@ -1,5 +1,6 @@
 """host_tensor: the same tensor paddle.to_tensor makes, without the list Paddle leaks per construction;
-and an engine running many steps with the real model keeps no Python objects it does not need."""
+and an engine running many steps with the real model keeps no Python objects it does not need; staged tensors
+(reused per name and shape) hold the latest array."""
 
 import collections
 import gc
@@ -9,7 +10,7 @@ import paddle
 import pytest
 
 from mtpserve.engine.request import EngineRequest, SamplingParams
-from mtpserve.host_tensor import host_tensor
+from mtpserve.host_tensor import StagedTensors, host_tensor
 from test_model_runner import make_core, prompts, tiny_model
 
 
@@ -78,3 +79,33 @@ def test_engine_steps_keep_no_objects():
     core.close()
     grown = {name: n - before[name] for name, n in after.items() if n - before[name] > 20}
     assert grown == {}
+
+
+@pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="staging writes CPU tensors through NumPy views")
+def test_staged_tensors_are_reused_per_name_and_shape_and_hold_the_latest_array():
+    staged = StagedTensors(shapes_per_name=2)
+    first = staged.stage("ids", np.array([1, 2, 3], np.int64))
+    again = staged.stage("ids", np.array([7, 8, 9], np.int64))
+    assert again is first
+    np.testing.assert_array_equal(first.numpy(), [7, 8, 9])
+    # NOTE: a Paddle op reads the staged values, not the first ones
+    table = paddle.arange(20, dtype="int64") * 10
+    np.testing.assert_array_equal(paddle.gather(table, again).numpy(), [70, 80, 90])
+    other_name = staged.stage("rows", np.array([7, 8, 9], np.int64))
+    other_dtype = staged.stage("ids", np.array([7, 8, 9], np.int32))
+    assert other_name is not first and other_dtype is not first and other_dtype.dtype == paddle.int32
+    # NOTE: a third shape of one name evicts its oldest: the next [3] int64 is a new tensor
+    wide = staged.stage("ids", np.zeros((2, 4), np.int64))
+    assert wide.shape == [2, 4]
+    assert staged.stage("ids", np.array([4, 5, 6], np.int64)) is not first
+    np.testing.assert_array_equal(first.numpy(), [7, 8, 9])  # NOTE: an evicted tensor keeps its values
+    empty = staged.stage("ids", np.zeros(0, np.int64))
+    assert empty.shape == [0]
+
+
+def test_staging_a_dtype_without_a_view_gives_a_new_tensor_each_time():
+    staged = StagedTensors()
+    values = np.array([1, 2], np.uint16)
+    a, b = staged.stage("x", values), staged.stage("x", values)
+    assert a is not b
+    np.testing.assert_array_equal(a.numpy(), values)
