@@ -112,7 +112,7 @@ class PaddleModelRunner:
         if (wanted < 0).all():
             return None
         shape = tokens.shape
-        ids = host_tensor(np.maximum(tokens, 0).reshape(-1))
+        ids = self._staged.stage("logprob_ids", np.maximum(tokens, 0).reshape(-1))
         chosen, rank, top_ids, top_lp = gather_logprobs(logits, ids, int(wanted.max()))
         n = top_ids.shape[-1]
         return LogprobRows(chosen.numpy().reshape(shape), rank.numpy().reshape(shape),
