@@ -88,4 +88,4 @@ def _view(tensor: paddle.Tensor, like: np.ndarray) -> np.ndarray:
     if like.nbytes == 0:
         return np.empty(like.shape, like.dtype)
     buffer = (ctypes.c_byte * like.nbytes).from_address(tensor.data_ptr())
-    return np.frombuffer(buffer, dtype=like.dtype).reshape(like.shape)
+    return np.frombuffer(memoryview(buffer), dtype=like.dtype).reshape(like.shape)

@@ -186,8 +186,8 @@ class MiMoForCausalLM(ServingModelLayer):
         head = self.lm_head.serving.panels
         first = self.model.layers[0]
         assert isinstance(first, DecoderLayer)
-        fused = FusedBlocks.of(ctx, self.rotary, first, self.tp.size) if head is not None else None
-        if fused is None:
+        fused = None if head is None else FusedBlocks.of(ctx, self.rotary, first, self.tp.size)
+        if head is None or fused is None:
             return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
         x = self.model.embed_tokens(input_ids)  # [T, H]
         last = len(self.model.layers) - 1

@@ -72,7 +72,9 @@ def test_float16_panels_compute_the_float16_rounded_weight(rows):
     rounded = weight_t.astype(np.float16).astype(np.float64)
     want = x.astype(np.float64) @ rounded + bias
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
-    full = small_matmul.matmul(paddle.to_tensor(x), small_matmul.pack(paddle.to_tensor(weight_t))).numpy() + bias
+    whole = small_matmul.pack(paddle.to_tensor(weight_t))
+    assert whole is not None
+    full = small_matmul.matmul(paddle.to_tensor(x), whole).numpy() + bias
     assert not np.allclose(got, full, rtol=1e-6, atol=0)
     for r in range(rows):  # NOTE: row independence holds for float16 panels too
         alone = small_matmul.matmul(paddle.to_tensor(x[r:r + 1]), half, paddle.to_tensor(bias)).numpy()

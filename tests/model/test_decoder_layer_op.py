@@ -13,6 +13,7 @@ from paddle import _C_ops
 from mtpserve.model import fused_layer, small_matmul
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.decoder_layer import DecoderLayer
+from mtpserve.model.mtp_layer import MTPLayer
 from mtpserve.model import mimo_model
 from mtpserve.model.mimo_model import compose_draft_depth
 from mtpserve.model.rotary import RotaryEmbedding
@@ -267,8 +268,10 @@ def test_a_depth_drafting_inside_its_call_drafts_what_separate_calls_draft(draft
     rows = paddle.to_tensor(np.array([2, 6, 10], np.int64))
     layers = c.num_nextn_predict_layers
     head = model._draft_head_panels(rows)
+    mtp0 = model.model.mtp_layers[0]
+    assert isinstance(mtp0, MTPLayer)
     assert head is not None and fused_layer.FusedBlocks.of(
-        PagedContext(batch, model.allocate_kv(layers, 8, 4)), model.rotary, model.model.mtp_layers[0], 1) is not None
+        PagedContext(batch, model.allocate_kv(layers, 8, 4)), model.rotary, mtp0, 1) is not None
     for depth, out_rows, draft_rows in ((0, None, rows), (1, rows, None)):
         with monkeypatch.context() as patched:  # NOTE: the one-call path may not fall back to separate calls
             patched.setattr(mimo_model, "compose_draft_depth", None)
@@ -279,7 +282,7 @@ def test_a_depth_drafting_inside_its_call_drafts_what_separate_calls_draft(draft
         assert one.draft_ids.shape == [3]
         np.testing.assert_array_equal(one.draft_ids.numpy(), apart.draft_ids.numpy())
         np.testing.assert_array_equal(one.mtp_hidden.numpy(), apart.mtp_hidden.numpy())
-        if draft_vocab is not None:
+        if model.draft_head is not None:
             assert set(one.draft_ids.numpy().tolist()) <= set(model.draft_head.ids.numpy().tolist())
 
 
