@@ -17,7 +17,8 @@ Rank processes only (imports paddle). Files, along the path of one step:
   decoder_layer.py     Attention, MLP, DecoderLayer
   mtp_layer.py         MTPLayer (model.mtp_layers.{i}); eval mode tabulates input_proj's token half
   draft_vocab.py       optional draft_vocab.json: MTP drafts argmax over a frequent-token subset
-  mimo_model.py        MiMoForCausalLM: forward, mtp_forward, compute_logits
+  mimo_model.py        MiMoForCausalLM: forward_step, draft_depth (heads inside the block calls on CPU
+                       hosts), forward, mtp_forward, compute_logits; ComposedStep for the other families
   parallel.py          TensorParallel + Column/Row-parallel linears, vocab-parallel embedding and head
   norm.py, rotary.py   RMSNorm, RoPE
 
@@ -31,6 +32,11 @@ Serving interface (the engine builds against exactly this):
     d = model.mtp_forward(i, batch, token_ids_shifted [T], prev_hidden [T, H], mtp_kv)
         -> MTPOutput(hidden_states [T, H], mtp_hidden [T, H])
     draft_ids = model.draft_token_ids(d.hidden_states[rows], i)    # [N] int64 full-vocabulary ids
+
+    # what a serving step calls: the same results, with the heads inside the block calls where they can be
+    step = model.forward_step(input_ids, positions, ctx, rows)     # StepForward(mtp_hidden, logits [N, V], greedy)
+    depth = model.draft_depth(i, token_ids_shifted, prev_hidden, positions, mtp_ctx, out_rows, draft_rows)
+        -> DraftOutput(mtp_hidden, draft_ids [M])
 
 Semantics and deviations from the first sketch of this interface:
   * ModelOutput.hidden_states is after the final norm (feed compute_logits); ModelOutput.mtp_hidden is

@@ -28,8 +28,7 @@ from mtpserve.model.decoder_layer import MLP, ServingModelLayer
 from mtpserve.model.deepseek_config import DeepseekV3Config
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import (DraftOutput, ModelOutput, MTPOutput, StepForward, compose_draft_depth,
-                                       compose_forward_step)
+from mtpserve.model.mimo_model import ComposedStep, ModelOutput, MTPOutput
 from mtpserve.model.mla import MLAttention
 from mtpserve.model.moe import MoE
 from mtpserve.model.norm import RMSNorm
@@ -97,7 +96,7 @@ class DeepseekV3Body(nn.Layer):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(ServingModelLayer):
+class DeepseekV3ForCausalLM(ServingModelLayer, ComposedStep):
     """The serving interface of model/__init__.py, as MiMoForCausalLM; see docs/models.md."""
 
     def __init__(self, config: DeepseekV3Config, tp: TensorParallel = SINGLE):
@@ -153,15 +152,6 @@ class DeepseekV3ForCausalLM(ServingModelLayer):
         kv_index = index % self.num_mtp_layers if kv_layer is None else kv_layer
         x = layer.predict(token_ids, prev_hidden, positions, self.rotary.cos_sin(positions), ctx, kv_index, out_rows)
         return MTPOutput(hidden_states=layer.shared_head.norm(x), mtp_hidden=x)
-
-    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
-                     logit_rows: paddle.Tensor) -> StepForward:
-        return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
-
-    def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
-                    ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
-                    draft_rows: paddle.Tensor | None = None) -> DraftOutput:
-        return compose_draft_depth(self, index, token_ids, prev_hidden, positions, ctx, out_rows, draft_rows)
 
     def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         """[N, H] after model.norm -> fp32 logits [N, V]."""

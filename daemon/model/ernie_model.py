@@ -29,8 +29,7 @@ from mtpserve.model.decoder_layer import MLP, Attention, ServingModelLayer
 from mtpserve.model.ernie_config import ErnieMoeConfig
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.mimo_model import (DraftOutput, ModelOutput, MTPOutput, StepForward, compose_draft_depth,
-                                       compose_forward_step)
+from mtpserve.model.mimo_model import ComposedStep, ModelOutput, MTPOutput
 from mtpserve.model.moe import routed_sum
 from mtpserve.model.norm import RMSNorm
 from mtpserve.model.parallel import SINGLE, ParallelLMHead, ReplicatedLinear, TensorParallel, VocabParallelEmbedding, _weight
@@ -110,7 +109,7 @@ class ErnieBody(nn.Layer):
         self.mtp_block = nn.LayerList([ErnieDecoderLayer(config, 0, tp) for _ in range(n)])
 
 
-class Ernie4_5_MoeForCausalLM(ServingModelLayer):
+class Ernie4_5_MoeForCausalLM(ServingModelLayer, ComposedStep):
     """The serving interface of model/__init__.py, as MiMoForCausalLM; see docs/models.md."""
 
     def __init__(self, config: ErnieMoeConfig, tp: TensorParallel = SINGLE):
@@ -166,15 +165,6 @@ class Ernie4_5_MoeForCausalLM(ServingModelLayer):
         x = m.mtp_block[j](x, self.rotary.cos_sin(positions), ctx, j if kv_layer is None else kv_layer, out_rows)
         normed = m.norm(x)
         return MTPOutput(hidden_states=normed, mtp_hidden=normed if self.config.mtp_hidden_after_norm else x)
-
-    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
-                     logit_rows: paddle.Tensor) -> StepForward:
-        return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
-
-    def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
-                    ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
-                    draft_rows: paddle.Tensor | None = None) -> DraftOutput:
-        return compose_draft_depth(self, index, token_ids, prev_hidden, positions, ctx, out_rows, draft_rows)
 
     def compute_logits(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         return self.lm_head(hidden_states).astype("float32")

@@ -6,7 +6,7 @@ Parameter names match a MiMo checkpoint: `model.embed_tokens`, `model.layers.{i}
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 import paddle
@@ -81,6 +81,21 @@ def compose_draft_depth(model: DraftingModel, index: int, token_ids: paddle.Tens
     out = model.run_mtp(index, token_ids, prev_hidden, positions, ctx, out_rows=out_rows)
     head_in = out.hidden_states if draft_rows is None else paddle.gather(out.hidden_states, draft_rows)
     return DraftOutput(out.mtp_hidden, model.draft_token_ids(head_in, index))
+
+
+class ComposedStep:
+    """`forward_step` and `draft_depth` as separate calls, for the families whose blocks are Paddle ops
+    (the ServingModel contract; MiMo runs them in its block calls where the op serves)."""
+
+    def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
+                     logit_rows: paddle.Tensor) -> StepForward:
+        return compose_forward_step(cast(LogitModel, self), input_ids, positions, ctx, logit_rows)
+
+    def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
+                    ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
+                    draft_rows: paddle.Tensor | None = None) -> DraftOutput:
+        return compose_draft_depth(cast(DraftingModel, self), index, token_ids, prev_hidden, positions, ctx,
+                                   out_rows, draft_rows)
 
 
 class MiMoBody(nn.Layer):
