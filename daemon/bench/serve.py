@@ -24,7 +24,7 @@ import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
-from mtpserve.bench.serve_report import acceptance, format_run, parse_counters, plot, plot_compare, summarize
+from mtpserve.bench.serve_report import acceptance, format_run, parse_chosen_drafts, parse_counters, plot, plot_compare, summarize
 from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, load_tokenizer, shared_prefix_prompts
 from mtpserve.bench.serve_step_load import format_step_load, step_load
 from mtpserve.instance import BUNDLED_MODEL
@@ -252,7 +252,8 @@ def _progress(total: int, disabled: bool, concurrency: int):
 async def _scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
     try:
         async with session.get(f"{base_url}/metrics") as resp:
-            return parse_counters(await resp.text()) if resp.status == 200 else {}
+            text = await resp.text()
+            return parse_counters(text) | parse_chosen_drafts(text) if resp.status == 200 else {}
     except aiohttp.ClientError:
         return {}
 

@@ -23,6 +23,26 @@ def parse_counters(text: str, names: tuple[str, ...] = SPEC_COUNTERS) -> dict[st
     return out
 
 
+def parse_chosen_drafts(text: str) -> dict[str, float]:
+    """mtpserve's histogram of the drafts its policy gave each row: cumulative counts by `le`."""
+    found = re.findall(r'^mtpserve:spec_decode_chosen_drafts_bucket{le="([0-9]+)(?:\.0)?"[^}]*} ([0-9.eE+-]+)$', text, re.M)
+    return {f"chosen_le_{le}": float(value) for le, value in found}
+
+
+def chosen_shares(before: dict[str, float], after: dict[str, float]) -> list[float] | None:
+    """Share of rows given k = 0, 1, ... drafts between two scrapes; None where the server has no policy."""
+    cumulative = []
+    for k in range(64):
+        key = f"chosen_le_{k}"
+        if key not in after:
+            break
+        cumulative.append(after[key] - before.get(key, 0.0))
+    if not cumulative or cumulative[-1] <= 0:
+        return None
+    counts = np.diff(np.array([0.0, *cumulative]))
+    return (counts / cumulative[-1]).tolist()
+
+
 def _stats(values: list[float], scale: float = 1000.0) -> dict:
     if not values:
         return {"mean": None, "std": None, **{f"p{p}": None for p in PERCENTILES}}
@@ -37,7 +57,8 @@ def acceptance(before: dict[str, float], after: dict[str, float]) -> dict:
     drafts, draft_tokens, accepted = (d[k] for k in SPEC_COUNTERS)
     return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
             "acceptance_length": 1.0 + accepted / drafts if drafts else None,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else None}
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "chosen_drafts_share": chosen_shares(before, after)}
 
 
 def summarize(results: list[RequestResult], duration: float, spec: dict) -> dict:
@@ -72,6 +93,9 @@ def format_run(label: str, s: dict) -> str:
              f"acceptance length {acc:.3f}" if acc else
              f"  req/s {s['request_throughput']:.2f}  out tok/s {s['output_throughput']:.1f}  "
              f"total tok/s {s['total_token_throughput']:.1f}  tokens/chunk {s['tokens_per_chunk']:.2f}",
+             *([f"  drafts chosen (share of rows, k = 0, 1, ...): "
+                + " ".join(f"{share:.0%}" for share in s["spec_decode"]["chosen_drafts_share"])]
+               if s["spec_decode"].get("chosen_drafts_share") else []),
              *([f"  server CPU {s['server_cpu_s']:.2f}s = {s['server_cpu_us_per_token']:.1f} us/token"]
                if "server_cpu_s" in s else []),
              "  (ms)", row("TTFT", "ttft_ms"), row("TPOT", "tpot_ms"), row("ITL", "itl_ms"), row("E2E", "e2el_ms")]

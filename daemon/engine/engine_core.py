@@ -25,7 +25,8 @@ from mtpserve.engine.runner import ModelRunner
 from mtpserve.engine.sampler import check_bounds
 from mtpserve.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler, SchedulerConfig
 from mtpserve.engine.spec_stats import AcceptanceStats
-from mtpserve.engine.speculation import Speculation, StepShape
+from mtpserve.engine.spec_cost import StepLoad
+from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepPlan, StepResult
 
@@ -43,7 +44,7 @@ class Launched(NamedTuple):
     """A step on the device: what was scheduled, the cost model's view of it, and its result to come."""
 
     plan: SchedulePlan
-    shape: StepShape
+    shape: StepLoad
     future: concurrent.futures.Future[StepResult]
     launched_at: float  # perf_counter
 
@@ -154,7 +155,7 @@ class EngineCore(Generic[R]):
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
         emitted = int(result.num_emitted[result.is_valid].sum())
-        self.speculation.observe(launched.shape, self._period(launched), emitted)
+        self.speculation.observe(launched.shape, self._period(launched), result.timing, emitted)
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:

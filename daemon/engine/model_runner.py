@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 
 import numpy as np
 import paddle
@@ -22,7 +23,7 @@ from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, process
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window, block_rows
 from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
-from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult
+from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult, StepTiming
 from mtpserve.host_tensor import StagedTensors, host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
@@ -76,6 +77,9 @@ class PaddleModelRunner:
     # ---- device side ----------------------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        # NOTE: the split is taken where the step already waits for the device (the verified tokens
+        # and each depth's drafts come to the host), so timing it adds no sync
+        begin = time.perf_counter()
         with paddle.no_grad():
             self.state.apply_writes(plan)
             self._copy_blocks(plan.block_copies)
@@ -91,11 +95,13 @@ class PaddleModelRunner:
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
             drafts = None
+            drafting = time.perf_counter()
             if self.proposer is not None and plan.num_depths:
                 drafts = self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted,
                                                reason, self.state)
+            timing = StepTiming(drafting - begin, time.perf_counter() - drafting)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
-                              logprobs, drafts)
+                              logprobs, drafts, timing)
 
     def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Prefix hits' private copies of cached blocks, main and MTP KV, before anything writes."""

@@ -114,9 +114,10 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16), num_windows: int = 8) -> None:
-    """Time steady decode steps at a few batch sizes and every depth 0..K, so the policy's period table
-    can compare depths before the first client (docs/speculation.md); about two seconds here."""
+def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 8) -> None:
+    """Run steps at a few batch sizes and every depth 0..K (their prompts' prefill chunks, then decode
+    windows), so the policy's step costs have seen every depth before the first client
+    (docs/speculation.md); a few seconds here."""
     spec = core.speculation
     if not spec.adaptive:
         return

@@ -68,6 +68,11 @@ class DepthAcceptance:
             tried[depth] = tried[depth] * decay + (depth < counted and depth <= num_accepted)
             accepted[depth] = accepted[depth] * decay + (depth < counted and depth < num_accepted)
 
+    def fade(self, factor: float) -> None:
+        """Weaken the evidence without adding any (the estimate drifts back towards the prior)."""
+        self.tried = [t * factor for t in self.tried]
+        self.accepted = [a * factor for a in self.accepted]
+
     def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
         """[K] conditional acceptance per depth."""
         base = np.full(len(self.tried), self.FIRST_PRIOR) if prior is None else prior

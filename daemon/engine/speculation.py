@@ -2,7 +2,7 @@
 
 Per step, for the rows of the plan: `choose` gives each row the drafts it proposes this step for its
 next window (the scheduler sizes that window from `Request.num_drafts`); `observe` takes the finished
-step's period (the cost model and the period table learn from it) and each verified window updates its
+step's period and the device thread's times (the step costs learn from them) and each verified window updates its
 request's acceptance per depth (and the instance's, the prior of new requests). With `adaptive` off
 every row drafts K (or its request's cap), as a fixed-k engine does.
 
@@ -13,27 +13,20 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
+from mtpserve.engine.spec_cost import StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
+from mtpserve.engine.step_plan import StepTiming
 
-EXPLORE_EVERY = 96
-EXPLORE_STEPS = 4
 SWITCH_MARGIN = 0.05
-
-
-class StepShape(NamedTuple):
-    num_tokens: int
-    num_rows: int
-    width: int  # the widest window's drafts + 1
-    depth: int  # MTP depths the step runs
-    decode_only: bool
+LOAD_WEIGHT = 0.05  # of a step in the running mean of the load: the last ~20 steps
+# NOTE: while nothing drafts, nothing teaches the instance's acceptance; fading it back towards the
+# first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
+FADE = 0.999
 
 
 class Speculation:
@@ -41,12 +34,13 @@ class Speculation:
         self.max_drafts = max_drafts
         self.adaptive = adaptive and max_drafts > 0
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
-        self.cost = StepCostModel()
+        self.costs = StepCosts()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
-        self.periods = PeriodTable()
-        self._steps = 0
-        self._depth = max_drafts  # the depth of the last steady decode step
+        self._depth = max_drafts  # the depth in use
+        self._prefill_per_step = 0.0  # prompt tokens a step prefilled, recently
+        self._emitted_per_step = 0.0  # tokens a step emitted, recently
+        self._chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -56,8 +50,11 @@ class Speculation:
         elif not self.adaptive:
             drafts = caps
         else:
-            drafts = self._explore(self._policy(plan, caps), caps, plan)
+            self._observe_load(plan)
+            drafts = self._policy(plan, caps)
         depth = int(drafts.max(initial=0))
+        if self.adaptive and depth == 0:
+            self.instance.fade(FADE)
         for row, k in zip(plan.rows, drafts.tolist()):
             row.request.num_drafts = k
             row.request.mtp_depth = min(row.request.mtp_depth, depth)
@@ -65,25 +62,20 @@ class Speculation:
         return drafts
 
     def forget_acceptance(self) -> None:
-        """Keep the cost model and the measured periods, drop what was learnt of acceptance (after the
-        start-up profile)."""
+        """Keep the step costs, drop what was learnt of acceptance (after the start-up profile)."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
-        self.periods.forget_tokens()
         self.rows_by_drafts[:] = 0
 
-    def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepShape:
-        """What the cost model and the period table know of the step `plan` launches with `drafts`."""
-        width = max((row.num_tokens for row in plan.rows if not row.is_prefill), default=1)
-        decode_only = not any(row.is_prefill for row in plan.rows)
-        return StepShape(plan.num_tokens, len(plan.rows), width, int(drafts.max(initial=0)), decode_only)
+    def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
+        """What the cost model knows of the step `plan` launches with `drafts`."""
+        has_prefill = any(row.is_prefill for row in plan.rows)
+        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill)
 
-    def observe(self, shape: StepShape, seconds: float, num_emitted: int) -> None:
-        """A finished step: its shape, its period, the tokens it emitted."""
-        if seconds <= 0:
-            return
-        self.cost.observe(features(shape.num_tokens, shape.num_rows, shape.width, shape.depth), seconds)
-        if shape.decode_only and shape.width == shape.depth + 1:
-            self.periods.observe(shape.num_rows, shape.depth, seconds, num_emitted)
+    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None, num_emitted: int) -> None:
+        """A finished step: its load, its period, the device thread's times, the tokens it emitted."""
+        self._emitted_per_step += LOAD_WEIGHT * (num_emitted - self._emitted_per_step)
+        if seconds > 0:
+            self.costs.observe(load, seconds, timing)
 
     def observe_window(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
@@ -92,6 +84,25 @@ class Speculation:
             # complete MTP context teach it, or a busy spell (little drafting, gaps) would lower it
             # for the quiet one after it
             self.instance.observe(num_drafts, num_accepted, complete=request.mtp_depth)
+
+    def _observe_load(self, plan: SchedulePlan) -> None:
+        """Running means of what steps prefill: the policy plans for the load, not for this step's
+        chunk, so one large prompt does not flip the depth (and leave gaps) for a step."""
+        prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
+        self._prefill_per_step += LOAD_WEIGHT * (prefill - self._prefill_per_step)
+        if prefill:
+            self._chunk_tokens += LOAD_WEIGHT * (prefill - self._chunk_tokens)
+
+    def _prefill_per_token(self) -> float:
+        """Prompt tokens prefilled per token emitted, recently (a property of the traffic, not of k)."""
+        return self._prefill_per_step / max(self._emitted_per_step, 1.0)
+
+    def _prefill_cost(self, decode: StepLoad) -> float:
+        """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
+        difference between the step with it and without it, its depths included."""
+        chunk = max(self._chunk_tokens, 1.0)
+        mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True)
+        return max(self.costs.period(mixed) - self.costs.period(decode), 0.0) / chunk
 
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
         """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
@@ -107,39 +118,29 @@ class Speculation:
         prior = self.instance.rates()
         rates = np.stack([self._acceptance(row.request).rates(prior) for row in plan.rows if row.emits])
         caps_e, floors = caps[emits], drafts[emits]
-        num_rows, cost = len(caps_e), self.cost.cost()
-
-        def period(depth: int) -> float:
-            measured = self.periods.seconds(num_rows, depth)
-            window = float((np.maximum(np.minimum(caps_e, depth), floors) + 1).sum())
-            return measured if measured is not None else cost.seconds(window, num_rows, depth + 1, depth)
+        num_rows = len(plan.rows)
 
         gain = expected_tokens(rates)
-        measured = (None if floors.any() else  # NOTE: pinned rows make these rows' steps unlike the cell's
-                    {d: self.periods.tokens_per_second(num_rows, d) for d in range(self.max_drafts + 1)})
-        depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN, measured)
-        self._depth = depth
+        emitting = np.arange(len(caps_e))
+
+        def decode_load(depth: int) -> StepLoad:
+            window = np.maximum(np.minimum(caps_e, depth), floors) + 1
+            return StepLoad(int(window.sum()), num_rows, depth, False)
+
+        def period(depth: int) -> float:
+            """A decode step of these rows at this depth, plus the prompts' share of the work: each
+            emitted token brings `prefill_per_token` prompt tokens with it, and the depths run over
+            those as well."""
+            decode = decode_load(depth)
+            tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
+            return self.costs.period(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
+
+        depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
         full = np.maximum(np.minimum(caps_e, depth), floors)
-        step_rate = float(gain[np.arange(num_rows), full].sum()) / max(period(depth), 1e-9)
-        drafts[emits] = row_drafts(rates, depth, caps_e, floors, step_rate * cost.window_token(depth))
+        step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
+        slot_cost = step_rate * self.costs.token_seconds(decode_load(depth))
+        drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
-
-    def _explore(self, drafts: np.ndarray, caps: np.ndarray, plan: SchedulePlan) -> np.ndarray:
-        """EXPLORE_STEPS steps in every EXPLORE_EVERY run a deeper depth than the policy chose, each in
-        turn, for every row free to change.
-
-        NOTE: at a steady load the policy picks the same shape step after step and would never measure
-        the others; a short burst runs one long enough for its steady steps (windows as deep as the depth)
-        to be timed, at the cost of a few percent of the steps. Only deeper: a shallower burst would leave
-        gaps in every request's MTP KV (the depths it skips), lowering their acceptance for good; the
-        shallower depths are measured whenever the load makes the policy choose them."""
-        self._steps += 1
-        depth = int(drafts.max(initial=0))
-        if self._steps % EXPLORE_EVERY >= EXPLORE_STEPS or depth >= self.max_drafts:
-            return drafts
-        deeper = depth + 1 + (self._steps // EXPLORE_EVERY) % (self.max_drafts - depth)
-        free = np.array([row.emits and not _is_seeded_sample(row.request) for row in plan.rows])
-        return np.where(free, np.minimum(caps, deeper), drafts)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

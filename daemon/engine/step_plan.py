@@ -142,6 +142,13 @@ class LogprobRows(NamedTuple):
     top_logprobs: np.ndarray  # [B, k+1, n] float32
 
 
+class StepTiming(NamedTuple):
+    """The device thread's seconds on one step, split where the step already waits for the device."""
+
+    target_seconds: float  # everything but drafting: the target pass, verification, logprobs
+    draft_seconds: float  # the MTP depths
+
+
 class StepResult(NamedTuple):
     """Device -> host, one entry per plan row (numpy, copied off the device in one transfer)."""
 
@@ -153,3 +160,4 @@ class StepResult(NamedTuple):
     is_valid: np.ndarray  # [B] bool: False for rows of slots that had already stopped on the device
     logprobs: LogprobRows | None = None  # only when some row's request asked for logprobs
     drafts: np.ndarray | None = None  # [B, k] int64: each row's next drafts (MTP on; a PD prefill sends them)
+    timing: StepTiming | None = None  # None: not measured (the synthetic runner)

@@ -1,17 +1,36 @@
 """The speculation policy on synthetic costs and acceptance curves where the right answer is known."""
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import PeriodTable, StepCostModel, features
-from mtpserve.engine.spec_policy import StepCost, choose_depth, expected_tokens, row_drafts
+from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.speculation import Speculation
+from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
 
 K = 3
+
+
+class StepCost(NamedTuple):
+    """A synthetic device: seconds of a step, linear in what it computes."""
+
+    base: float  # per step
+    per_token: float  # per token of the target pass
+    per_verify_row: float  # per row of target logits (rows x the widest window)
+    per_depth: float  # per MTP depth run
+    per_mtp_token: float  # per token of each MTP depth run
+
+    def seconds(self, num_tokens: float, num_rows: int, width: int, depths: int) -> float:
+        return (self.base + self.per_token * num_tokens + self.per_verify_row * num_rows * width
+                + (self.per_depth + self.per_mtp_token * num_tokens) * depths)
+
+
 # A device with spare compute: a step costs mostly its fixed part (a GPU at small batch).
 SPARE = StepCost(base=10e-3, per_token=0.05e-3, per_verify_row=0.01e-3, per_depth=0.1e-3,
                  per_mtp_token=0.05e-3)
@@ -94,25 +113,60 @@ def test_an_oscillating_batch_switches_without_hysteresis_or_failure():
     assert choices[0] < small
 
 
-def test_the_cost_model_learns_a_linear_device():
-    truth = StepCost(base=2e-3, per_token=0.3e-3, per_verify_row=0.04e-3, per_depth=0.3e-3,
-                     per_mtp_token=0.1e-3)
-    model = StepCostModel()
-    gen = np.random.default_rng(0)
-    for _ in range(400):
-        tokens, rows, width, depths = int(gen.integers(1, 600)), int(gen.integers(1, 64)), \
-            int(gen.integers(1, K + 2)), int(gen.integers(0, K + 1))
-        model.observe(features(tokens, rows, width, depths), truth.seconds(tokens, rows, width, depths))
-    assert np.allclose(model.cost(), truth, rtol=0.02, atol=1e-6)
+def test_a_curve_interpolates_between_cells_and_extends_by_its_unit_cost():
+    """A CPU-like device: flat while the weights' reading dominates, then linear in tokens."""
+    device = lambda n: max(2e-3, 0.1e-3 * n)  # noqa: E731
+    curve = Curve(prior=lambda n: 1.0)
+    assert curve(8) == 1.0  # nothing measured: the prior
+    for n in (1, 4, 16, 64, 128):
+        for _ in range(Curve.MIN_SAMPLES):
+            curve.observe(n, device(n))
+    assert curve(1) == pytest.approx(2e-3) and curve(128) == pytest.approx(12.8e-3)
+    assert curve(96) == pytest.approx((6.4e-3 + 12.8e-3) / 2)  # halfway between the cells of 64 and 128
+    assert curve(0.5) == pytest.approx(2e-3)  # below the lowest cell: its value
+    assert curve(512) == pytest.approx(4 * 12.8e-3)  # above the highest: its cost per token
 
 
-def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0) -> int:
-    """The depth a decode step gets when each depth's period is measured as given."""
+def test_a_curve_follows_a_device_that_slows_down():
+    curve = Curve(prior=lambda n: 0.0)
+    for _ in range(50):
+        curve.observe(32, 5e-3)
+    for _ in range(100):
+        curve.observe(32, 10e-3)
+    assert curve(32) == pytest.approx(10e-3, rel=0.01)
+
+
+def test_the_step_costs_split_a_period_into_target_depths_and_the_rest():
+    costs = StepCosts()
+    for _ in range(Curve.MIN_SAMPLES):
+        # 4 rows at depth 2: 12 tokens; the device spent 6 ms on the target, 2 x 1.5 ms drafting
+        costs.observe(StepLoad(12, 4, 2, False), 10e-3, StepTiming(6e-3, 3e-3))
+    assert costs.decode(12) == pytest.approx(6e-3) and costs.depth(12) == pytest.approx(1.5e-3)
+    assert costs.rest(4) == pytest.approx(1e-3)
+    assert costs.period(StepLoad(12, 4, 1, False)) == pytest.approx(8.5e-3)
+    # a step with a prefill chunk is not a decode step of as many tokens: its own curve (the prior here)
+    assert costs.period(StepLoad(12, 4, 2, True)) != pytest.approx(10e-3)
+
+
+def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0,
+           prefill_per_token: float = 0.0) -> int:
+    """The depth a decode step gets when steps of these rows at each depth took the given periods (all
+    of it on the device, in the target pass), and each emitted token brings `prefill_per_token` prompt
+    tokens (a prompt token costs what a decode token costs, and runs every depth as well)."""
     spec = Speculation(K, adaptive=True)
-    delivered = rows * expected_tokens(rates(acceptance))[0]  # what such steps emit, on average
     for depth, ms in enumerate(periods_ms):
-        for _ in range(PeriodTable.MIN_SAMPLES):
-            spec.periods.observe(rows, depth, ms * 1e-3, int(round(delivered[depth])))
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(rows * (depth + 1), rows, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.0)
+    if prefill_per_token:
+        per_token = (periods_ms[1] - periods_ms[0]) * 1e-3 / rows
+        for n in range(rows, rows * (K + 1) + 512, 8):
+            for _ in range(Curve.MIN_SAMPLES):
+                spec.costs.mixed.observe(n, np.interp(n, [rows * (d + 1) for d in range(K + 1)], periods_ms) * 1e-3
+                                         if n <= rows * (K + 1) else periods_ms[-1] * 1e-3 + per_token * (n - rows * (K + 1)))
+                spec.costs.depth.observe(n, 0.3 * per_token * n)
+        spec._emitted_per_step, spec._chunk_tokens = float(rows), 256.0
+        spec._prefill_per_step = prefill_per_token * rows
     spec._depth = current
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
     for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
@@ -135,54 +189,38 @@ def test_a_steady_decode_load_takes_the_depth_its_measured_periods_favour():
     assert steady([2.29, 4.70, 6.40, 8.40], rows=4, acceptance=0.85) == 0
 
 
-def test_the_shallowest_depth_near_the_best_is_taken_and_deeper_must_be_clearly_better():
+def test_prompts_that_run_every_depth_make_drafting_dearer():
+    """16 rows where depth 1 just pays for decode steps; when each emitted token brings two prompt tokens,
+    which each depth runs too, it does not."""
+    periods = [4.0, 6.2, 9.0, 12.0]
+    assert steady(periods, rows=16, acceptance=0.8) == 1
+    assert steady(periods, rows=16, acceptance=0.8, prefill_per_token=2.0) == 0
+
+
+def test_the_depth_in_use_is_kept_unless_another_is_clearly_better():
     gain = expected_tokens(rates(0.85))
-    flat = {0: 4.0, 1: 4.0 * gain[0, 1] * 0.99, 2: 20.0, 3: 30.0}  # depth 1 about 1% better than depth 0
-    choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), flat.__getitem__,  # noqa: E731
-                                          current, margin=0.03)
-    assert choose(0) == 0 and choose(1) == 0 and choose(3) == 0
-    clear = {**flat, 1: 4.0 * gain[0, 1] * 0.9}  # depth 1 about 10% better than depth 0
+    near = {0: 4.0, 1: 4.0 * gain[0, 1] / 1.02, 2: 20.0, 3: 30.0}  # depth 1 about 2% better than depth 0
+    choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), near.__getitem__,  # noqa: E731
+                                          current, margin=0.05)
+    assert choose(0) == 0 and choose(1) == 1 and choose(3) == 1
+    clear = {**near, 1: 4.0 * gain[0, 1] * 0.9}  # depth 1 about 10% better than depth 0
     choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), clear.__getitem__,  # noqa: E731
-                                          current, margin=0.03)
+                                          current, margin=0.05)
     assert choose(0) == 1 and choose(1) == 1 and choose(3) == 1
-    # depth 2 within the margin of the best (3) but only 2% better than depth 1, the current: kept
-    band = {0: 4.0, 1: 4.0 * gain[0, 1] * 0.9, 2: 4.0 * gain[0, 2] * 0.9 / 1.02, 3: 4.0 * gain[0, 3] * 0.9 / 1.04}
-    rates_at = {d: float(gain[0, d]) / band[d] for d in band}
-    assert rates_at[2] < rates_at[1] * 1.03 and rates_at[2] * 1.03 >= max(rates_at.values())
-    assert choose_depth(gain, caps(1), np.zeros(1, np.int64), band.__getitem__, 1, margin=0.03) == 1
 
 
-def test_a_depth_not_measured_at_these_rows_is_scaled_from_the_nearest_batch():
-    table = PeriodTable()
-    for _ in range(PeriodTable.MIN_SAMPLES):
-        table.observe(4, 0, 2e-3, 4)
-        table.observe(4, 2, 6e-3, 10)  # at 4 rows depth 2 takes 3x depth 0
-        table.observe(16, 0, 6e-3, 16)  # at 16 rows only depth 0 was seen
-    assert table.seconds(16, 2) == pytest.approx(18e-3)
-    assert table.seconds(16, 1) is None  # measured nowhere
-    assert table.seconds(4, 2) == pytest.approx(6e-3)
-    assert table.tokens_per_second(4, 2) == pytest.approx(10 / 6e-3)
-    # delivered rates scale the same way: 16 rows at depth 0 times depth 2's gain over depth 0 at 4 rows
-    assert table.tokens_per_second(16, 2) == pytest.approx((16 / 6e-3) * (10 / 6e-3) / (4 / 2e-3))
-    assert table.tokens_per_second(16, 1) is None
-
-
-def test_measured_rates_win_over_the_estimate():
-    """Acceptance estimates say depth 2 (E = 2.71 tokens per window at 0.9), but the steps delivered more
-    at depth 0: the measurement decides."""
-    gain = expected_tokens(rates(0.9, 0.9, 0.9, 0.9))
-    period = {0: 3e-3, 1: 5e-3, 2: 6e-3, 3: 9e-3}.__getitem__
-    zeros = np.zeros(4, np.int64)
-    assert choose_depth(gain, caps(4), zeros, period, current=0, margin=0.0) == 2
-    measured: dict[int, float | None] = {0: 1400.0, 1: 1200.0, 2: 1150.0, 3: 1000.0}
-    assert choose_depth(gain, caps(4), zeros, period, current=2, margin=0.0, measured=measured) == 0
-
-
-def test_a_steady_load_does_not_wind_the_cost_model_up():
-    """One shape for a long time: forgetting alone would grow the covariance until it overflowed."""
-    model = StepCostModel()
-    x = features(64, 64, 1, 0)
-    for _ in range(50_000):
-        model.observe(x, 0.03)
-    assert np.isfinite(model.covariance).all() and np.abs(model.covariance).max() <= 500
-    assert abs(model.predict(x) - 0.03) < 1e-3
+def test_after_a_spell_of_no_drafting_the_instance_tries_again():
+    """Acceptance near zero stops drafting; with nothing drafted nothing teaches the instance's estimate,
+    which fades back towards the first prior, so drafting is tried again later."""
+    spec = Speculation(K, adaptive=True)
+    for _ in range(300):
+        spec.instance.observe(K, 0)
+    assert spec.instance.rates()[0] < 0.05
+    row = decode_row(0)
+    row.request.acceptance = None
+    plan = SchedulePlan((row,), (), (), ())
+    assert spec.choose(plan).tolist() == [0]
+    for _ in range(20_000):
+        if spec.choose(plan).tolist() != [0]:
+            break
+    assert spec.choose(plan)[0] > 0 and spec.instance.rates()[0] > 0.3

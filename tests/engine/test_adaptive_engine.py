@@ -1,0 +1,88 @@
+"""Adaptive speculation in the engine with the real model: a load that swings across the policy's
+switching point changes the depth step by step, greedy output stays exactly plain greedy's, and no
+switch stalls a step."""
+
+import numpy as np
+import pytest
+
+from mtpserve.engine.engine_core import CoreConfig, EngineCore
+from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
+from mtpserve.engine.request import EngineRequest, SamplingParams
+from mtpserve.engine.scheduler import SchedulerConfig
+from mtpserve.engine.spec_cost import Curve
+from mtpserve.model import small_matmul
+from test_model_runner import drafty_model, prompts
+
+# NOTE: whole 32-column panels: each row's result is the same whatever the batch, so greedy output can be
+# compared token for token across batch compositions
+PACKED = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4)
+K, MAX_TOKENS, WAVES = 3, 24, (1, 8, 1, 8, 1, 8)
+
+pytestmark = pytest.mark.skipif(not small_matmul.available(), reason="batch-independent rows need the fused blocks")
+
+
+def make_core(model, k: int, adaptive: bool) -> EngineCore:
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=16, num_speculative_tokens=k,
+                            num_blocks=256, block_size=8)
+    runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=8, num_blocks=256, block_size=8,
+                                                        num_speculative_tokens=k))
+    return EngineCore(CoreConfig(sched, adaptive_speculation=adaptive), runner)
+
+
+def saturated_device(core: EngineCore) -> None:
+    """Step costs of a device that takes 2 ms a step and 1 ms a token: drafting pays for one row, whose
+    step is mostly fixed cost, and not for eight. Frozen, so where the switch falls does not depend on
+    how fast this machine runs the tiny model."""
+    costs = core.speculation.costs
+    for curve in (costs.decode, costs.mixed):
+        for n in (1, 2, 4, 8, 16, 32, 64, 128):
+            for _ in range(Curve.MIN_SAMPLES):
+                curve.observe(n, 2e-3 + 1e-3 * n)
+    costs.depth, costs.rest = Curve(prior=lambda n: 0.0), Curve(prior=lambda n: 0.0)
+    costs.observe = lambda *args: None  # type: ignore[method-assign]
+
+
+def run_waves(core: EngineCore, texts: list[tuple[int, ...]]) -> tuple[dict[int | str, list[int]], list[int]]:
+    """Each wave's requests together, the next wave once they finish; returns the outputs and the
+    steps each wave took."""
+    outs: dict[int | str, list[int]] = {}
+    steps, start = [], 0
+    for size in WAVES:
+        for i in range(start, start + size):
+            core.add_request(EngineRequest(f"r{i}", texts[i], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                             ignore_eos=True)))
+        start += size
+        n = 0
+        while core.has_unfinished_requests():
+            out = core.step()
+            n += 1
+            for j, rid in enumerate(out.request_ids):
+                outs.setdefault(rid, []).extend(out.tokens_of(j).tolist())
+        steps.append(n)
+    core.close()
+    return outs, steps
+
+
+def test_a_load_swinging_across_the_switching_point_keeps_greedy_output_and_never_stalls():
+    model = drafty_model(scale=0.5, **PACKED)
+    texts = prompts(sum(WAVES), seed=3)
+    plain, _ = run_waves(make_core(model, 0, adaptive=False), texts)
+    core = make_core(model, K, adaptive=True)
+    saturated_device(core)
+    depths: list[int] = []
+    choose = core.speculation.choose
+
+    def recording(plan):
+        drafts = choose(plan)
+        depths.append(int(drafts.max(initial=0)))
+        return drafts
+
+    core.speculation.choose = recording  # type: ignore[method-assign]
+    adaptive, steps = run_waves(core, texts)
+    assert adaptive == plain
+    assert all(len(tokens) == MAX_TOKENS for tokens in adaptive.values())
+    # the depth followed the load both ways, every wave: drafting alone, none at eight rows
+    assert int(np.count_nonzero(np.diff(depths))) >= len(WAVES) - 1 and max(depths) >= 1 and 0 in depths
+    # no stall: a wave takes at most a step per token, its prompt chunks and the pipeline's few
+    chunks = max(-(-len(t) // 16) for t in texts)
+    assert max(steps) <= MAX_TOKENS + chunks + 3
