@@ -154,8 +154,7 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        emitted = int(result.num_emitted[result.is_valid].sum())
-        self.speculation.observe(launched.shape, self._period(launched), result.timing, emitted)
+        self.speculation.observe(launched.shape, self._period(launched), result.timing)
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:
@@ -187,6 +186,9 @@ class EngineCore(Generic[R]):
         if is_verified:
             self._count_acceptance(request, row.num_tokens - 1, int(result.num_accepted[i]))
         self.scheduler.commit(row, tokens.tolist(), reason)
+        if reason is not FinishReason.NONE:
+            prompt = request.num_prefill_tokens - (request.num_cached_tokens or 0)
+            self.speculation.observe_finished(prompt, len(request.output_ids))
         if tokens.shape[0] or reason is not FinishReason.NONE:
             width = request.params.logprobs
             drafts = None if result.drafts is None else result.drafts[i]

@@ -23,7 +23,8 @@ from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.step_plan import StepTiming
 
 SWITCH_MARGIN = 0.05
-LOAD_WEIGHT = 0.05  # of a step in the running mean of the load: the last ~20 steps
+LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
+REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance; fading it back towards the
 # first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
 FADE = 0.999
@@ -38,8 +39,8 @@ class Speculation:
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
-        self._prefill_per_step = 0.0  # prompt tokens a step prefilled, recently
-        self._emitted_per_step = 0.0  # tokens a step emitted, recently
+        self._prompt_tokens = 0.0  # prompt tokens a finished request had prefilled, recently
+        self._output_tokens = 0.0  # tokens a finished request emitted, recently
         self._chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
@@ -71,11 +72,15 @@ class Speculation:
         has_prefill = any(row.is_prefill for row in plan.rows)
         return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill)
 
-    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None, num_emitted: int) -> None:
-        """A finished step: its load, its period, the device thread's times, the tokens it emitted."""
-        self._emitted_per_step += LOAD_WEIGHT * (num_emitted - self._emitted_per_step)
+    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
+        """A finished step: its load, its period, the device thread's times."""
         if seconds > 0:
             self.costs.observe(load, seconds, timing)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
+        self._prompt_tokens += REQUEST_WEIGHT * (prompt_tokens - self._prompt_tokens)
+        self._output_tokens += REQUEST_WEIGHT * (output_tokens - self._output_tokens)
 
     def observe_window(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
@@ -86,16 +91,19 @@ class Speculation:
             self.instance.observe(num_drafts, num_accepted, complete=request.mtp_depth)
 
     def _observe_load(self, plan: SchedulePlan) -> None:
-        """Running means of what steps prefill: the policy plans for the load, not for this step's
-        chunk, so one large prompt does not flip the depth (and leave gaps) for a step."""
+        """The running mean of a step's prompt chunk (the policy plans for the load, not for this
+        step's chunk, so one large prompt does not flip the depth, and leave gaps, for a step)."""
         prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
-        self._prefill_per_step += LOAD_WEIGHT * (prefill - self._prefill_per_step)
         if prefill:
             self._chunk_tokens += LOAD_WEIGHT * (prefill - self._chunk_tokens)
 
     def _prefill_per_token(self) -> float:
-        """Prompt tokens prefilled per token emitted, recently (a property of the traffic, not of k)."""
-        return self._prefill_per_step / max(self._emitted_per_step, 1.0)
+        """Prompt tokens prefilled per token emitted, over recently finished requests.
+
+        NOTE: a property of the traffic, not of the moment: counted per step it would be huge while a
+        burst of prompts is prefilled, and the policy would stop drafting just when those prompts' MTP
+        KV is written (a prompt prefilled without it drafts poorly all its life)."""
+        return self._prompt_tokens / max(self._output_tokens, 1.0)
 
     def _prefill_cost(self, decode: StepLoad) -> float:
         """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
@@ -129,7 +137,7 @@ class Speculation:
 
         def period(depth: int) -> float:
             """A decode step of these rows at this depth, plus the prompts' share of the work: each
-            emitted token brings `prefill_per_token` prompt tokens with it, and the depths run over
+            emitted token brings `_prefill_per_token()` prompt tokens with it, and the depths run over
             those as well."""
             decode = decode_load(depth)
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())

@@ -165,8 +165,9 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
                 spec.costs.mixed.observe(n, np.interp(n, [rows * (d + 1) for d in range(K + 1)], periods_ms) * 1e-3
                                          if n <= rows * (K + 1) else periods_ms[-1] * 1e-3 + per_token * (n - rows * (K + 1)))
                 spec.costs.depth.observe(n, 0.3 * per_token * n)
-        spec._emitted_per_step, spec._chunk_tokens = float(rows), 256.0
-        spec._prefill_per_step = prefill_per_token * rows
+        spec._chunk_tokens = 256.0
+        for _ in range(100):  # finished requests of 128 tokens, each with its prompt
+            spec.observe_finished(round(prefill_per_token * 128), 128)
     spec._depth = current
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
     for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
