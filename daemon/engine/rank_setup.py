@@ -114,10 +114,10 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 8) -> None:
+def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 12) -> None:
     """Run steps at a few batch sizes and every depth 0..K (their prompts' prefill chunks, then decode
-    windows), so the policy's step costs have seen every depth before the first client
-    (docs/speculation.md); a few seconds here."""
+    windows), so the policy's device curves have seen every depth before the first client, then freeze
+    them (spec_cost.py; docs/speculation.md); a few seconds here."""
     spec = core.speculation
     if not spec.adaptive:
         return
@@ -130,6 +130,7 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
                 core.add_request(EngineRequest(-2 - i, prompt, params))
             _drain(core)
     spec.forced = None
+    spec.costs.freeze()
     # NOTE: the profile's prompt says nothing about what clients' drafts are worth
     spec.forget_acceptance()
     core.acceptance = AcceptanceStats(spec.max_drafts)

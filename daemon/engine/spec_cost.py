@@ -16,9 +16,16 @@ finish to its own). It splits into what the device thread spent on the step and 
 Each is a `Curve`, measured per cell and read between cells by interpolation: no functional form is
 assumed (on a CPU the cost per token falls as batches grow, which a linear fit got wrong by 2x). The
 device thread's times come from the step itself (`StepTiming`): the waits a step already makes (its
-verified tokens and each depth's drafts reach the host) bracket them, so timing adds no sync. A short
-profile at start-up (rank_setup.profile_steps) shows every depth at a few batch sizes before the first
-client does; serving keeps the curves current.
+verified tokens and each depth's drafts reach the host) bracket them, so timing adds no sync.
+
+A short profile at start-up (rank_setup.profile_steps) measures the device curves at every depth and a
+few batch sizes, on a machine that serves nobody yet, and freezes them. While serving, only rest(B)
+learns, as the period less the device curves' prediction. NOTE: under load the host's work per step
+(the rank loop, the HTTP process streaming a chunk per row) shares the cores with the device: on this
+host a decode step of 64 rows took 6.6 ms in the profile and 17-19 ms serving 64 streams. That work goes
+with the rows and the steps, not with the depth, so it is added per step, not scaled into the device
+curves: learnt into them at the depth in use, it would make every other depth look cheap or dear by
+the wrong amount.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class StepCosts:
         self.mixed = Curve(_target_prior)  # target(N) of steps with a prefill chunk
         self.depth = Curve(_depth_prior)
         self.rest = Curve(lambda rows: 0.0)
+        self.frozen = False
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
 
@@ -111,11 +119,20 @@ class StepCosts:
         more = load._replace(num_tokens=load.num_tokens + load.num_rows)
         return max(self.period(more) - self.period(load), 0.0) / max(load.num_rows, 1)
 
+    def freeze(self) -> None:
+        """Keep the device curves as they are (the start-up profile's, on a quiet machine); from now on
+        only `rest` learns, as what the period takes beyond them."""
+        self.frozen = True
+
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, and the device thread's times (None: not measured, as
         with the synthetic runner; then the period less the depths' estimate is the target's)."""
-        self.predicted_seconds += self.period(load)
+        predicted = self.period(load)
+        self.predicted_seconds += predicted
         self.measured_seconds += seconds
+        if self.frozen:
+            self.rest.observe(load.num_rows, max(seconds - (predicted - self.rest(load.num_rows)), 0.0))
+            return
         target = self.mixed if load.has_prefill else self.decode
         if timing is None:
             target.observe(load.num_tokens, max(seconds - load.depth * self.depth(load.num_tokens), 0.0))

@@ -225,3 +225,29 @@ def test_after_a_spell_of_no_drafting_the_instance_tries_again():
         if spec.choose(plan).tolist() != [0]:
             break
     assert spec.choose(plan)[0] > 0 and spec.instance.rates()[0] > 0.3
+
+
+def test_after_the_profile_only_the_host_share_learns_and_it_is_paid_per_step():
+    """The profile's device curves stay; serving adds what the period takes beyond them, by rows. Host
+    work per step (a chunk per row to stream) is paid whatever the depth, so it favours deeper windows:
+    at 64 rows a quiet device prefers not drafting, a busy host makes drafting pay."""
+    spec = Speculation(K, adaptive=True)
+    quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms, the bundled model's profile at 64 rows
+    for n, ms in quiet.items():
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
+    spec.costs.freeze()
+    plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
+    for row in plan.rows:
+        row.request.acceptance = DepthAcceptance(K, decay=0.9)
+        row.request.acceptance.tried = [100.0] * K
+        row.request.acceptance.accepted = [40.0] * K  # 0.4 per depth: E(1) = 1.4
+    spec._depth = 0
+    spec._policy(plan, caps(64))
+    assert spec._depth == 0
+    for _ in range(50):  # serving: 64-row steps at depth 0 take 18 ms
+        spec.costs.observe(StepLoad(64, 64, 0, False), 18e-3, StepTiming(17e-3, 0.0))
+    assert spec.costs.decode(64) == pytest.approx(6.6e-3) and spec.costs.rest(64) == pytest.approx(11.4e-3, rel=0.1)
+    spec._policy(plan, caps(64))
+    assert spec._depth >= 1
