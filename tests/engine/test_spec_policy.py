@@ -242,7 +242,7 @@ def test_after_the_profile_only_the_host_share_learns_and_it_is_paid_per_step():
     for row in plan.rows:
         row.request.acceptance = DepthAcceptance(K, decay=0.9)
         row.request.acceptance.tried = [100.0] * K
-        row.request.acceptance.accepted = [40.0] * K  # 0.4 per depth: E(1) = 1.4
+        row.request.acceptance.accepted = [70.0] * K  # 0.7 per depth: E(1) = 1.7
     spec._depth = 0
     spec._policy(plan, caps(64))
     assert spec._depth == 0
