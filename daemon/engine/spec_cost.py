@@ -19,13 +19,16 @@ device thread's times come from the step itself (`StepTiming`): the waits a step
 verified tokens and each depth's drafts reach the host) bracket them, so timing adds no sync.
 
 A short profile at start-up (rank_setup.profile_steps) measures the device curves at every depth and a
-few batch sizes, on a machine that serves nobody yet, and freezes them. While serving, only rest(B)
-learns, as the period less the device curves' prediction. NOTE: under load the host's work per step
-(the rank loop, the HTTP process streaming a chunk per row) shares the cores with the device: on this
-host a decode step of 64 rows took 6.6 ms in the profile and 17-19 ms serving 64 streams. That work goes
-with the rows and the steps, not with the depth, so it is added per step, not scaled into the device
-curves: learnt into them at the depth in use, it would make every other depth look cheap or dear by
-the wrong amount.
+few batch sizes, on a machine that serves nobody yet, and freezes them. While serving, what is learnt is
+how the load stretches them, per batch size: period = added + factor x device (`Stretch`).
+
+NOTE: under load the host's work (the rank loop, the HTTP process streaming a chunk per row, a client
+on the same machine) shares the cores with the device: on this host a decode step of 64 rows took
+6.6 ms in the profile and 17-19 ms serving 64 streams. Part of that is added per step whatever the
+depth, which favours deeper windows (fewer steps per token); part slows the device's own work in
+proportion. Learnt into the device curves at the depth in use, it would make every other depth look
+cheap or dear by the wrong amount; fitted as one added and one proportional part, it carries over to
+the depths not in use.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import bisect
 import math
 from collections.abc import Callable
 from typing import NamedTuple
+
+import numpy as np
 
 from mtpserve.engine.step_plan import StepTiming
 
@@ -100,6 +105,42 @@ def _depth_prior(n: float) -> float:
     return 5e-4 + 5e-5 * n
 
 
+class Stretch:
+    """How serving stretches the device's quiet step time at one batch size: period = added + factor x
+    device, fitted by recursive least squares with forgetting (in milliseconds).
+
+    NOTE: both parts are real on a CPU host. The host's work per step (a chunk per row to stream, the
+    rank loop's bookkeeping) is added whatever the depth; the threads sharing the cores also slow the
+    device's own work in proportion. Steps of one batch size vary in device time (prompt chunks come and
+    go, the depth changes), which is what tells the two apart."""
+
+    FORGET = 0.98  # a sample's weight halves after ~35 steps
+    PRIOR = (0.0, 1.0)  # nothing added, no stretch
+    PRIOR_COVARIANCE = (25.0, 1.0)  # (5 ms)^2, 1
+    FACTOR_RANGE = (0.5, 5.0)
+
+    def __init__(self) -> None:
+        self.theta = np.array(self.PRIOR)
+        self.covariance = np.diag(self.PRIOR_COVARIANCE)
+        self._max_trace = float(sum(self.PRIOR_COVARIANCE))
+
+    def __call__(self, device: float) -> float:
+        added, factor = self.theta
+        return max(added, 0.0) * 1e-3 + float(np.clip(factor, *self.FACTOR_RANGE)) * device
+
+    def observe(self, device: float, seconds: float) -> None:
+        x = np.array([1.0, device * 1e3])
+        px = self.covariance @ x
+        gain = px / (self.FORGET + x @ px)
+        self.theta = self.theta + gain * (seconds * 1e3 - x @ self.theta)
+        self.covariance = (self.covariance - np.outer(gain, px)) / self.FORGET
+        # NOTE: a steady load varies in one direction only; forgetting would inflate the other without
+        # bound, so the covariance is kept within the prior's size
+        trace = float(np.trace(self.covariance))
+        if trace > self._max_trace:
+            self.covariance *= self._max_trace / trace
+
+
 class StepCosts:
     def __init__(self) -> None:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps
@@ -107,12 +148,19 @@ class StepCosts:
         self.depth = Curve(_depth_prior)
         self.rest = Curve(lambda rows: 0.0)
         self.frozen = False
+        self.stretch: dict[int, Stretch] = {}  # by rows in quarter octaves, once frozen
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
 
-    def period(self, load: StepLoad) -> float:
+    def device(self, load: StepLoad) -> float:
+        """The device thread's time for a step like `load`, as the curves have it."""
         target = self.mixed if load.has_prefill else self.decode
-        return target(load.num_tokens) + load.depth * self.depth(load.num_tokens) + self.rest(load.num_rows)
+        return target(load.num_tokens) + load.depth * self.depth(load.num_tokens)
+
+    def period(self, load: StepLoad) -> float:
+        if self.frozen:
+            return self._stretch(load.num_rows)(self.device(load))
+        return self.device(load) + self.rest(load.num_rows)
 
     def token_seconds(self, load: StepLoad) -> float:
         """What one more target-pass token per row adds to a step like `load`, per token."""
@@ -120,18 +168,18 @@ class StepCosts:
         return max(self.period(more) - self.period(load), 0.0) / max(load.num_rows, 1)
 
     def freeze(self) -> None:
-        """Keep the device curves as they are (the start-up profile's, on a quiet machine); from now on
-        only `rest` learns, as what the period takes beyond them."""
+        """Keep the device curves as they are (the start-up profile's, on a machine serving nobody);
+        from now on serving learns how it stretches them, per batch size (`Stretch`)."""
         self.frozen = True
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, and the device thread's times (None: not measured, as
         with the synthetic runner; then the period less the depths' estimate is the target's)."""
-        predicted = self.period(load)
-        self.predicted_seconds += predicted
+        self.predicted_seconds += self.period(load)
         self.measured_seconds += seconds
         if self.frozen:
-            self.rest.observe(load.num_rows, max(seconds - (predicted - self.rest(load.num_rows)), 0.0))
+            key = _rows_key(load.num_rows)
+            self.stretch.setdefault(key, Stretch()).observe(self.device(load), seconds)
             return
         target = self.mixed if load.has_prefill else self.decode
         if timing is None:
@@ -141,3 +189,16 @@ class StepCosts:
         if load.depth:
             self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth)
         self.rest.observe(load.num_rows, max(seconds - timing.target_seconds - timing.draft_seconds, 0.0))
+
+    def _stretch(self, num_rows: int) -> Stretch:
+        """This batch size's fit, else the nearest batch size's, else none yet (the prior)."""
+        key = _rows_key(num_rows)
+        if key in self.stretch:
+            return self.stretch[key]
+        if self.stretch:
+            return self.stretch[min(self.stretch, key=lambda k: abs(k - key))]
+        return Stretch()
+
+
+def _rows_key(num_rows: int) -> int:
+    return round(4 * math.log2(max(num_rows, 1)))

@@ -5,7 +5,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad, Stretch
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
@@ -227,27 +227,48 @@ def test_after_a_spell_of_no_drafting_the_instance_tries_again():
     assert spec.choose(plan)[0] > 0 and spec.instance.rates()[0] > 0.3
 
 
-def test_after_the_profile_only_the_host_share_learns_and_it_is_paid_per_step():
-    """The profile's device curves stay; serving adds what the period takes beyond them, by rows. Host
-    work per step (a chunk per row to stream) is paid whatever the depth, so it favours deeper windows:
-    at 64 rows a quiet device prefers not drafting, a busy host makes drafting pay."""
+def busy_host_depth(added_ms: float, factor: float) -> tuple[int, Speculation]:
+    """The depth at 64 rows after serving steps whose periods were `added_ms` + `factor` x their quiet
+    device time, on the bundled model's profile at 64 rows (acceptance 0.7 per depth)."""
     spec = Speculation(K, adaptive=True)
-    quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms, the bundled model's profile at 64 rows
+    quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms
     for n, ms in quiet.items():
         for _ in range(Curve.MIN_SAMPLES):
             spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
     spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
     spec.costs.freeze()
+    for i in range(200):  # NOTE: steps differ in device time (as prompt chunks come and go)
+        n = (64, 128, 192, 256)[i % 4]
+        spec.costs.observe(StepLoad(n, 64, 0, False), (added_ms + factor * quiet[n]) * 1e-3, None)
     plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
     for row in plan.rows:
         row.request.acceptance = DepthAcceptance(K, decay=0.9)
         row.request.acceptance.tried = [100.0] * K
-        row.request.acceptance.accepted = [70.0] * K  # 0.7 per depth: E(1) = 1.7
+        row.request.acceptance.accepted = [70.0] * K
     spec._depth = 0
     spec._policy(plan, caps(64))
-    assert spec._depth == 0
-    for _ in range(50):  # serving: 64-row steps at depth 0 take 18 ms
-        spec.costs.observe(StepLoad(64, 64, 0, False), 18e-3, StepTiming(17e-3, 0.0))
-    assert spec.costs.decode(64) == pytest.approx(6.6e-3) and spec.costs.rest(64) == pytest.approx(11.4e-3, rel=0.1)
-    spec._policy(plan, caps(64))
-    assert spec._depth >= 1
+    return spec._depth, spec
+
+
+def test_serving_learns_how_it_stretches_the_profile_and_host_work_per_step_favours_drafting():
+    """The profile's device curves stay; serving fits an added and a proportional part per batch size.
+    On the quiet device 64 rows do best without drafts; a host that adds 11 ms to every step makes
+    drafting pay (fewer steps per token), a uniform slowdown does not."""
+    quiet, _ = busy_host_depth(0.0, 1.0)
+    assert quiet == 0
+    busy, spec = busy_host_depth(11.0, 1.2)
+    stretch = spec.costs.stretch[round(4 * np.log2(64))]
+    assert stretch.theta == pytest.approx([11.0, 1.2], rel=0.02)
+    assert spec.costs.decode(64) == pytest.approx(6.6e-3)  # the profile's curve is kept
+    assert busy >= 1
+    slow, _ = busy_host_depth(0.0, 2.5)
+    assert slow == 0
+
+
+def test_a_steady_load_keeps_the_stretch_fit_bounded():
+    """One device time for a long time: forgetting alone would inflate the covariance without bound."""
+    stretch = Stretch()
+    for _ in range(20_000):
+        stretch.observe(6.6e-3, 18e-3)
+    assert np.isfinite(stretch.covariance).all() and np.trace(stretch.covariance) <= 26.0 + 1e-9
+    assert stretch(6.6e-3) == pytest.approx(18e-3, rel=0.01)
