@@ -125,8 +125,9 @@ class Stretch:
         self._max_trace = float(sum(self.PRIOR_COVARIANCE))
 
     def __call__(self, device: float) -> float:
-        added, factor = self.theta
-        return max(added, 0.0) * 1e-3 + float(np.clip(factor, *self.FACTOR_RANGE)) * device
+        added, factor = self.theta.tolist()
+        low, high = self.FACTOR_RANGE
+        return max(added, 0.0) * 1e-3 + min(max(factor, low), high) * device
 
     def observe(self, device: float, seconds: float) -> None:
         x = np.array([1.0, device * 1e3])

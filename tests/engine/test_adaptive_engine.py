@@ -86,3 +86,30 @@ def test_a_load_swinging_across_the_switching_point_keeps_greedy_output_and_neve
     # no stall: a wave takes at most a step per token, its prompt chunks and the pipeline's few
     chunks = max(-(-len(t) // 16) for t in texts)
     assert max(steps) <= MAX_TOKENS + chunks + 3
+
+
+def test_after_the_start_up_profile_the_engine_serves_and_reports_its_stats():
+    """The rank's own sequence: warm-up profile (which freezes the device curves), serving, then the
+    heartbeat's stats through the wire codec (a numpy scalar there once killed the engine)."""
+    import msgspec
+
+    from mtpserve.engine.rank_loop import engine_stats
+    from mtpserve.engine.rank_setup import profile_steps
+
+    model = drafty_model(scale=0.5, **PACKED)
+    core = make_core(model, K, adaptive=True)
+    profile_steps(core, batches=(1, 4), num_windows=4)
+    assert core.speculation.costs.frozen
+    texts = prompts(8, seed=5)
+    for i, text in enumerate(texts):
+        core.add_request(EngineRequest(f"s{i}", text, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
+    steps = 0
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+    stats = engine_stats(core, steps)
+    assert stats.spec_predicted_seconds > 0 and stats.spec_measured_seconds > 0
+    assert type(stats.spec_predicted_seconds) is float
+    msgspec.msgpack.encode(stats)
+    assert core.speculation.costs.stretch  # serving fitted how it stretches the profile
+    core.close()
