@@ -12,3 +12,12 @@ def test_the_comparison_uses_each_labels_median_round():
     assert rows["adaptive"]["ratio_to_first"] == 1050.0 / 1100.0
     assert rows["k0"]["ratio_to_best_other"] == 1100.0 / 1050.0
     assert rows["adaptive"]["rounds"] == [900.0, 2000.0, 1050.0]
+
+
+def test_the_comparison_plots_every_label(tmp_path):
+    from mtpserve.bench.serve_report import plot_launched
+
+    levels = {c: {label: [{"output_throughput": c * f * r} for r in (0.9, 1.1)] for label, f in (("k0", 1.0), ("k2", 1.2))}
+              for c in (1, 4, 16)}
+    path = plot_launched(comparison(levels, ["k0", "k2"]), tmp_path / "launched.png")
+    assert path is not None and (tmp_path / "launched.png").stat().st_size > 10_000

@@ -24,7 +24,8 @@ import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
-from mtpserve.bench.serve_report import acceptance, format_run, parse_chosen_drafts, parse_counters, plot, plot_compare, summarize
+from mtpserve.bench.serve_report import (acceptance, format_run, parse_chosen_drafts, parse_counters, plot, plot_compare,
+                                         plot_launched, summarize)
 from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, load_tokenizer, shared_prefix_prompts
 from mtpserve.bench.serve_step_load import format_step_load, step_load
 from mtpserve.instance import BUNDLED_MODEL
@@ -128,8 +129,9 @@ async def run_launched(args: argparse.Namespace) -> dict:
         stop_all(instances)
     table = comparison(levels, [instance.label for instance in instances])
     print(format_comparison(table), flush=True)
+    plot_path = plot_launched(table, (args.plot_dir or args.out.parent) / f"{args.out.stem}-launched.png")
     return {"benchmark": "serve", "launch": args.launch, "model": model, "config": _config(args), "runs": runs,
-            "comparison": table, "plots": []}
+            "comparison": table, "plots": [plot_path] if plot_path else []}
 
 
 async def _step_load_all(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,

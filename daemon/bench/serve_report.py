@@ -168,3 +168,38 @@ def plot_compare(reports: dict[str, dict], path: Path) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+def plot_launched(rows: list[dict], path: Path) -> str | None:
+    """`bench serve --launch`'s comparison (serve_launch.comparison rows): each label's median output tok/s
+    against concurrency, its visits as dots, and its ratio to the best other label."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, color in zip(labels, [f"C{i}" for i in range(10)]):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in mine]
+        left.plot(xs, [r["output_throughput"] for r in mine], "o-", color=color, label=label)
+        for r in mine:
+            left.plot([r["concurrency"]] * len(r["rounds"]), r["rounds"], ".", color=color, alpha=0.4)
+        right.plot(xs, [r["ratio_to_best_other"] for r in mine], "o-", color=color, label=label)
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.axhline(0.95, color="grey", lw=0.8, ls=":")
+    left.set(xscale="log", xlabel="concurrency", ylabel="output tokens / s (median of visits)", title="throughput")
+    right.set(xscale="log", xlabel="concurrency", ylabel="/ best other label", title="ratio to the best other")
+    levels = sorted({r["concurrency"] for r in rows})
+    for ax in (left, right):
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
