@@ -93,6 +93,7 @@ class StepLoad(NamedTuple):
     num_rows: int
     depth: int  # MTP depths the step ran
     has_prefill: bool
+    num_emitting: int = 0  # rows that emit (decode windows, last prompt chunks)
 
 
 # NOTE: CPU-sized guesses (seconds) used until a curve has samples: 2 ms + 0.2 ms a token for the target
@@ -203,3 +204,31 @@ class StepCosts:
 
 def _rows_key(num_rows: int) -> int:
     return round(4 * math.log2(max(num_rows, 1)))
+
+
+class DepthPeriods:
+    """Periods of serving steps as they were, by the rows that emit (half octaves) and depth: a running
+    mean per cell, over every step of that shape, prompt chunks included. What a depth costs under this
+    load, with everything the model does not know in it (contention, the prompts that come with each
+    token, the machine's mood); the policy prefers it to the model wherever a cell is fresh."""
+
+    WEIGHT = 0.05  # of a step: a cell follows its last ~20 steps
+    MIN_SAMPLES = 8
+
+    def __init__(self) -> None:
+        self._mean: dict[tuple[int, int], float] = {}
+        self._count: dict[tuple[int, int], int] = {}
+
+    @staticmethod
+    def bucket(num_emitting: int) -> int:
+        return round(2 * math.log2(max(num_emitting, 1)))
+
+    def observe(self, num_emitting: int, depth: int, seconds: float) -> None:
+        key = self.bucket(num_emitting), depth
+        count = self._count[key] = self._count.get(key, 0) + 1
+        weight = max(1.0 / count, self.WEIGHT)
+        self._mean[key] = self._mean.get(key, seconds) + weight * (seconds - self._mean.get(key, seconds))
+
+    def seconds(self, num_emitting: int, depth: int) -> float | None:
+        key = self.bucket(num_emitting), depth
+        return self._mean[key] if self._count.get(key, 0) >= self.MIN_SAMPLES else None

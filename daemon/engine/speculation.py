@@ -17,7 +17,7 @@ import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import StepCosts, StepLoad
+from mtpserve.engine.spec_cost import DepthPeriods, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.step_plan import StepTiming
@@ -28,6 +28,10 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance; fading it back towards the
 # first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
 FADE = 0.999
+# NOTE: every PROBE_EVERY steps at one load, PROBE_STEPS run a depth next to the one in use (up and down
+# in turn), so the measured periods of the alternatives stay current (~8% of steps).
+PROBE_EVERY = 192
+PROBE_STEPS = 16
 
 
 class Speculation:
@@ -36,6 +40,9 @@ class Speculation:
         self.adaptive = adaptive and max_drafts > 0
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
         self.costs = StepCosts()
+        self.periods = DepthPeriods()
+        self._probe: tuple[int, int, int] | None = None  # (bucket, depth, steps left)
+        self._bucket_steps: dict[int, int] = {}
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -70,12 +77,15 @@ class Speculation:
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
         """What the cost model knows of the step `plan` launches with `drafts`."""
         has_prefill = any(row.is_prefill for row in plan.rows)
-        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill)
+        emitting = sum(row.emits for row in plan.rows)
+        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting)
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, the device thread's times."""
         if seconds > 0:
             self.costs.observe(load, seconds, timing)
+            if load.num_emitting:
+                self.periods.observe(load.num_emitting, load.depth, seconds)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -135,7 +145,7 @@ class Speculation:
             window = np.maximum(np.minimum(caps_e, depth), floors) + 1
             return StepLoad(int(window.sum()), num_rows, depth, False)
 
-        def period(depth: int) -> float:
+        def modelled(depth: int) -> float:
             """A decode step of these rows at this depth, plus the prompts' share of the work: each
             emitted token brings `_prefill_per_token()` prompt tokens with it, and the depths run over
             those as well."""
@@ -143,12 +153,46 @@ class Speculation:
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
             return self.costs.period(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
 
-        depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        measured = {d: seconds for d in range(self.max_drafts + 1)
+                    if (seconds := self.periods.seconds(len(caps_e), d)) is not None}
+
+        def period(depth: int) -> float:
+            """Measured at this load where fresh; else the nearest measured depth's, scaled by the model's
+            ratio of the two; else the model's."""
+            if depth in measured:
+                return measured[depth]
+            if not measured:
+                return modelled(depth)
+            ref = min(measured, key=lambda d: abs(d - depth))
+            return measured[ref] * modelled(depth) / max(modelled(ref), 1e-9)
+
+        probe = self._probed(len(caps_e), floors)
+        depth = probe if probe is not None else choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        if probe is None:
+            self._depth = depth
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         slot_cost = step_rate * self.costs.token_seconds(decode_load(depth))
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
+
+    def _probed(self, num_emitting: int, floors: np.ndarray) -> int | None:
+        """The depth of a probe under way at this load, or one starting now; None: no probe."""
+        bucket = DepthPeriods.bucket(num_emitting)
+        if self._probe is not None and self._probe[0] == bucket and self._probe[2] > 0:
+            self._probe = bucket, self._probe[1], self._probe[2] - 1
+            return self._probe[1]
+        self._probe = None
+        steps = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        if steps % PROBE_EVERY:
+            return None
+        up = (steps // PROBE_EVERY) % 2 == 1
+        low = int(floors.max(initial=0))
+        depth = self._depth + 1 if (up and self._depth < self.max_drafts) or self._depth <= low else self._depth - 1
+        if not low <= depth <= self.max_drafts or depth == self._depth:
+            return None
+        self._probe = bucket, depth, PROBE_STEPS - 1
+        return depth
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

@@ -10,6 +10,7 @@ from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_draft
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_stats import DepthAcceptance
+from mtpserve.engine import speculation
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -210,9 +211,10 @@ def test_the_depth_in_use_is_kept_unless_another_is_clearly_better():
     assert choose(0) == 1 and choose(1) == 1 and choose(3) == 1
 
 
-def test_after_a_spell_of_no_drafting_the_instance_tries_again():
+def test_after_a_spell_of_no_drafting_the_instance_tries_again(monkeypatch):
     """Acceptance near zero stops drafting; with nothing drafted nothing teaches the instance's estimate,
     which fades back towards the first prior, so drafting is tried again later."""
+    monkeypatch.setattr(speculation, "PROBE_EVERY", 1 << 30)  # NOTE: the policy's own choice, not a probe
     spec = Speculation(K, adaptive=True)
     for _ in range(300):
         spec.instance.observe(K, 0)
