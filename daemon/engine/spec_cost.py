@@ -206,11 +206,15 @@ def _rows_key(num_rows: int) -> int:
     return round(4 * math.log2(max(num_rows, 1)))
 
 
-class DepthPeriods:
-    """Periods of serving steps as they were, by the rows that emit (half octaves) and depth: a running
-    mean per cell, over every step of that shape, prompt chunks included. What a depth costs under this
-    load, with everything the model does not know in it (contention, the prompts that come with each
-    token, the machine's mood); the policy prefers it to the model wherever a cell is fresh."""
+class DepthStretch:
+    """How much longer serving steps took than the device curves say, by the rows that emit (half
+    octaves) and depth: a running mean of period / device time per cell, over every step of that shape.
+
+    NOTE: a ratio, not a period: whether a step carries a prompt chunk swings its period by 2-3x, and a
+    short run of steps at one depth (a probe) would compare depths by how many prompts happened to arrive
+    in it. Divided by the device time the curves give for that very step, the prompts mostly cancel, and
+    what remains is what serving at this depth adds (the host's work per step, the cores' contention, the
+    machine's mood), measured rather than modelled."""
 
     WEIGHT = 0.05  # of a step: a cell follows its last ~20 steps
     MIN_SAMPLES = 8
@@ -223,12 +227,14 @@ class DepthPeriods:
     def bucket(num_emitting: int) -> int:
         return round(2 * math.log2(max(num_emitting, 1)))
 
-    def observe(self, num_emitting: int, depth: int, seconds: float) -> None:
-        key = self.bucket(num_emitting), depth
+    def observe(self, num_emitting: int, depth: int, seconds: float, device: float) -> None:
+        if device <= 0:
+            return
+        key, ratio = (self.bucket(num_emitting), depth), seconds / device
         count = self._count[key] = self._count.get(key, 0) + 1
         weight = max(1.0 / count, self.WEIGHT)
-        self._mean[key] = self._mean.get(key, seconds) + weight * (seconds - self._mean.get(key, seconds))
+        self._mean[key] = self._mean.get(key, ratio) + weight * (ratio - self._mean.get(key, ratio))
 
-    def seconds(self, num_emitting: int, depth: int) -> float | None:
+    def factor(self, num_emitting: int, depth: int) -> float | None:
         key = self.bucket(num_emitting), depth
         return self._mean[key] if self._count.get(key, 0) >= self.MIN_SAMPLES else None

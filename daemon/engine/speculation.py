@@ -13,11 +13,13 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import DepthPeriods, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import DepthStretch, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.step_plan import StepTiming
@@ -40,7 +42,7 @@ class Speculation:
         self.adaptive = adaptive and max_drafts > 0
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
         self.costs = StepCosts()
-        self.periods = DepthPeriods()
+        self.stretch = DepthStretch()
         self._probe: tuple[int, int, int] | None = None  # (bucket, depth, steps left)
         self._bucket_steps: dict[int, int] = {}
         self.forced: int | None = None  # the start-up profile pins every row's drafts
@@ -85,7 +87,7 @@ class Speculation:
         if seconds > 0:
             self.costs.observe(load, seconds, timing)
             if load.num_emitting:
-                self.periods.observe(load.num_emitting, load.depth, seconds)
+                self.stretch.observe(load.num_emitting, load.depth, seconds, self.costs.device(load))
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -115,12 +117,12 @@ class Speculation:
         KV is written (a prompt prefilled without it drafts poorly all its life)."""
         return self._prompt_tokens / max(self._output_tokens, 1.0)
 
-    def _prefill_cost(self, decode: StepLoad) -> float:
-        """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
-        difference between the step with it and without it, its depths included."""
+    def _prefill_cost(self, decode: StepLoad, seconds: Callable[[StepLoad], float]) -> float:
+        """Seconds (by `seconds`) a prompt token adds to a decode step like `decode`: a typical chunk's
+        share of the difference between the step with it and without it, its depths included."""
         chunk = max(self._chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True)
-        return max(self.costs.period(mixed) - self.costs.period(decode), 0.0) / chunk
+        return max(seconds(mixed) - seconds(decode), 0.0) / chunk
 
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
         """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
@@ -145,26 +147,28 @@ class Speculation:
             window = np.maximum(np.minimum(caps_e, depth), floors) + 1
             return StepLoad(int(window.sum()), num_rows, depth, False)
 
-        def modelled(depth: int) -> float:
-            """A decode step of these rows at this depth, plus the prompts' share of the work: each
-            emitted token brings `_prefill_per_token()` prompt tokens with it, and the depths run over
-            those as well."""
+        def work(depth: int) -> tuple[float, float]:
+            """(device seconds, serving seconds as modelled) of a decode step of these rows at this depth,
+            plus the prompts' share: each emitted token brings `_prefill_per_token()` prompt tokens, and
+            the depths run over those as well."""
             decode = decode_load(depth)
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            return self.costs.period(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
+            prompts = tokens * self._prefill_per_token()
+            device = self.costs.device(decode) + prompts * self._prefill_cost(decode, self.costs.device)
+            serving = self.costs.period(decode) + prompts * self._prefill_cost(decode, self.costs.period)
+            return device, serving
 
-        measured = {d: seconds for d in range(self.max_drafts + 1)
-                    if (seconds := self.periods.seconds(len(caps_e), d)) is not None}
+        factors = {d: f for d in range(self.max_drafts + 1)
+                   if (f := self.stretch.factor(len(caps_e), d)) is not None}
 
         def period(depth: int) -> float:
-            """Measured at this load where fresh; else the nearest measured depth's, scaled by the model's
-            ratio of the two; else the model's."""
-            if depth in measured:
-                return measured[depth]
-            if not measured:
-                return modelled(depth)
-            ref = min(measured, key=lambda d: abs(d - depth))
-            return measured[ref] * modelled(depth) / max(modelled(ref), 1e-9)
+            """The device time of this load at this depth, stretched as serving steps of this shape
+            were; a depth not measured here takes the nearest measured depth's stretch; none measured,
+            the model's period."""
+            device, serving = work(depth)
+            if not factors:
+                return serving
+            return device * factors[min(factors, key=lambda d: abs(d - depth))]
 
         probe = self._probed(len(caps_e), floors)
         depth = probe if probe is not None else choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
@@ -178,7 +182,7 @@ class Speculation:
 
     def _probed(self, num_emitting: int, floors: np.ndarray) -> int | None:
         """The depth of a probe under way at this load, or one starting now; None: no probe."""
-        bucket = DepthPeriods.bucket(num_emitting)
+        bucket = DepthStretch.bucket(num_emitting)
         if self._probe is not None and self._probe[0] == bucket and self._probe[2] > 0:
             self._probe = bucket, self._probe[1], self._probe[2] - 1
             return self._probe[1]
