@@ -216,8 +216,8 @@ class DepthStretch:
     what remains is what serving at this depth adds (the host's work per step, the cores' contention, the
     machine's mood), measured rather than modelled."""
 
-    WEIGHT = 0.05  # of a step: a cell follows its last ~20 steps
-    MIN_SAMPLES = 8
+    WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps (two probes)
+    MIN_SAMPLES = 16
 
     def __init__(self) -> None:
         self._mean: dict[tuple[int, int], float] = {}

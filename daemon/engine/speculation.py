@@ -31,9 +31,9 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
 FADE = 0.999
 # NOTE: every PROBE_EVERY steps at one load, PROBE_STEPS run a depth next to the one in use (up and down
-# in turn), so the measured periods of the alternatives stay current (~8% of steps).
-PROBE_EVERY = 192
-PROBE_STEPS = 16
+# in turn), so the measured stretch of the alternatives stays current (~12% of steps).
+PROBE_EVERY = 256
+PROBE_STEPS = 32
 
 
 class Speculation:
