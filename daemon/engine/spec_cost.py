@@ -164,10 +164,11 @@ class StepCosts:
             return self._stretch(load.num_rows)(self.device(load))
         return self.device(load) + self.rest(load.num_rows)
 
-    def token_seconds(self, load: StepLoad) -> float:
-        """What one more target-pass token per row adds to a step like `load`, per token."""
+    def device_token_seconds(self, load: StepLoad) -> float:
+        """What one more target-pass token per row adds to the device time of a step like `load`, per
+        token."""
         more = load._replace(num_tokens=load.num_tokens + load.num_rows)
-        return max(self.period(more) - self.period(load), 0.0) / max(load.num_rows, 1)
+        return max(self.device(more) - self.device(load), 0.0) / max(load.num_rows, 1)
 
     def freeze(self) -> None:
         """Keep the device curves as they are (the start-up profile's, on a machine serving nobody);

@@ -176,7 +176,10 @@ class Speculation:
             self._depth = depth
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
-        slot_cost = step_rate * self.costs.token_seconds(decode_load(depth))
+        # NOTE: a window token's seconds on the same scale as the period the depth was chosen by: the
+        # device curves' slope, stretched as this depth's steps are
+        stretch = period(depth) / max(work(depth)[0], 1e-9)
+        slot_cost = step_rate * stretch * self.costs.device_token_seconds(decode_load(depth))
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
 
