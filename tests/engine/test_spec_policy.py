@@ -5,7 +5,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad, Stretch
+from mtpserve.engine.spec_cost import Curve, DepthStretch, StepCosts, StepLoad, Stretch
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
@@ -274,3 +274,42 @@ def test_a_steady_load_keeps_the_stretch_fit_bounded():
         stretch.observe(6.6e-3, 18e-3)
     assert np.isfinite(stretch.covariance).all() and np.trace(stretch.covariance) <= 26.0 + 1e-9
     assert stretch(6.6e-3) == pytest.approx(18e-3, rel=0.01)
+
+
+def test_a_stretch_cell_is_a_ratio_so_prompt_chunks_cancel():
+    stretch = DepthStretch()
+    for i in range(DepthStretch.MIN_SAMPLES - 1):
+        stretch.observe(64, 1, 2.0 * (10e-3 if i % 2 else 40e-3), 10e-3 if i % 2 else 40e-3)
+    assert stretch.factor(64, 1) is None  # not enough steps yet
+    stretch.observe(64, 1, 2.0 * 25e-3, 25e-3)
+    assert stretch.factor(64, 1) == pytest.approx(2.0)  # steps with and without a prompt chunk alike
+    assert stretch.factor(60, 1) == pytest.approx(2.0)  # the same half octave of emitting rows
+    assert stretch.factor(64, 2) is None and stretch.factor(32, 1) is None
+
+
+def test_serving_measurements_overrule_the_quiet_profile():
+    """The profile says 64 rows do best without drafts; serving stretches depth 0's steps 3x and depth
+    1's 1.9x (host work per step weighs on the short steps): probes measure it and the policy moves to
+    depth 1, and stays there (probes aside)."""
+    spec = Speculation(K, adaptive=True)
+    quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms, the bundled model's profile at 64 rows
+    for n, ms in quiet.items():
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
+    spec.costs.freeze()
+    truth = {0: 3.0, 1: 1.9, 2: 1.9, 3: 1.9}
+    plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
+    for row in plan.rows:
+        row.request.acceptance = DepthAcceptance(K, decay=0.9)
+        row.request.acceptance.tried = [100.0] * K
+        row.request.acceptance.accepted = [70.0] * K
+    spec._depth = 0
+    chosen = []
+    for _ in range(3 * speculation.PROBE_EVERY):
+        drafts = spec.choose(plan)
+        load = spec.shape(plan, drafts)._replace(num_tokens=int((drafts + 1).sum()))
+        spec.observe(load, truth[load.depth] * spec.costs.device(load), None)
+        chosen.append(spec._depth)
+    assert chosen[0] == 0 and chosen[-1] == 1
+    assert chosen[-speculation.PROBE_EVERY:].count(1) == speculation.PROBE_EVERY
