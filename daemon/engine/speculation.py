@@ -19,7 +19,7 @@ import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import DepthStretch, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.engine.step_plan import StepTiming
@@ -31,7 +31,7 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
 FADE = 0.999
 # NOTE: every PROBE_EVERY steps at one load, PROBE_STEPS run a depth next to the one in use (up and down
-# in turn), so the measured stretch of the alternatives stays current (~12% of steps).
+# in turn), so what serving adds to the alternatives stays measured (~12% of steps).
 PROBE_EVERY = 256
 PROBE_STEPS = 32
 
@@ -42,7 +42,7 @@ class Speculation:
         self.adaptive = adaptive and max_drafts > 0
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
         self.costs = StepCosts()
-        self.stretch = DepthStretch()
+        self.extra = ServingExtra()
         self._probe: tuple[int, int, int] | None = None  # (bucket, depth, steps left)
         self._bucket_steps: dict[int, int] = {}
         self.forced: int | None = None  # the start-up profile pins every row's drafts
@@ -87,7 +87,7 @@ class Speculation:
         if seconds > 0:
             self.costs.observe(load, seconds, timing)
             if load.num_emitting:
-                self.stretch.observe(load.num_emitting, load.depth, seconds, self.costs.device(load))
+                self.extra.observe(load.num_emitting, load.depth, seconds, self.costs.device(load))
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -158,17 +158,17 @@ class Speculation:
             serving = self.costs.period(decode) + prompts * self._prefill_cost(decode, self.costs.period)
             return device, serving
 
-        factors = {d: f for d in range(self.max_drafts + 1)
-                   if (f := self.stretch.factor(len(caps_e), d)) is not None}
+        extras = {d: e for d in range(self.max_drafts + 1)
+                  if (e := self.extra.seconds(len(caps_e), d)) is not None}
 
         def period(depth: int) -> float:
-            """The device time of this load at this depth, stretched as serving steps of this shape
-            were; a depth not measured here takes the nearest measured depth's stretch; none measured,
-            the model's period."""
+            """The device time of this load at this depth, plus what serving added to steps of this
+            shape; a depth not yet measured here takes the nearest measured depth's; none measured, the
+            model's period."""
             device, serving = work(depth)
-            if not factors:
+            if not extras:
                 return serving
-            return device * factors[min(factors, key=lambda d: abs(d - depth))]
+            return device + max(extras[min(extras, key=lambda d: abs(d - depth))], 0.0)
 
         probe = self._probed(len(caps_e), floors)
         depth = probe if probe is not None else choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
@@ -176,16 +176,14 @@ class Speculation:
             self._depth = depth
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
-        # NOTE: a window token's seconds on the same scale as the period the depth was chosen by: the
-        # device curves' slope, stretched as this depth's steps are
-        stretch = period(depth) / max(work(depth)[0], 1e-9)
-        slot_cost = step_rate * stretch * self.costs.device_token_seconds(decode_load(depth))
+        # NOTE: what serving adds is per step: a window token costs its device seconds
+        slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
 
     def _probed(self, num_emitting: int, floors: np.ndarray) -> int | None:
         """The depth of a probe under way at this load, or one starting now; None: no probe."""
-        bucket = DepthStretch.bucket(num_emitting)
+        bucket = ServingExtra.bucket(num_emitting)
         if self._probe is not None and self._probe[0] == bucket and self._probe[2] > 0:
             self._probe = bucket, self._probe[1], self._probe[2] - 1
             return self._probe[1]

@@ -40,7 +40,7 @@ def saturated_device(core: EngineCore) -> None:
                 curve.observe(n, 2e-3 + 1e-3 * n)
     costs.depth, costs.rest = Curve(prior=lambda n: 0.0), Curve(prior=lambda n: 0.0)
     costs.observe = lambda *args: None  # type: ignore[method-assign]
-    core.speculation.stretch.observe = lambda *args: None  # type: ignore[method-assign]
+    core.speculation.extra.observe = lambda *args: None  # type: ignore[method-assign]
 
 
 def run_waves(core: EngineCore, texts: list[tuple[int, ...]]) -> tuple[dict[int | str, list[int]], list[int]]:

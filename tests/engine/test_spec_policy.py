@@ -5,7 +5,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import Curve, DepthStretch, StepCosts, StepLoad, Stretch
+from mtpserve.engine.spec_cost import Curve, ServingExtra, StepCosts, StepLoad, Stretch
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
@@ -276,21 +276,22 @@ def test_a_steady_load_keeps_the_stretch_fit_bounded():
     assert stretch(6.6e-3) == pytest.approx(18e-3, rel=0.01)
 
 
-def test_a_stretch_cell_is_a_ratio_so_prompt_chunks_cancel():
-    stretch = DepthStretch()
-    for i in range(DepthStretch.MIN_SAMPLES - 1):
-        stretch.observe(64, 1, 2.0 * (10e-3 if i % 2 else 40e-3), 10e-3 if i % 2 else 40e-3)
-    assert stretch.factor(64, 1) is None  # not enough steps yet
-    stretch.observe(64, 1, 2.0 * 25e-3, 25e-3)
-    assert stretch.factor(64, 1) == pytest.approx(2.0)  # steps with and without a prompt chunk alike
-    assert stretch.factor(60, 1) == pytest.approx(2.0)  # the same half octave of emitting rows
-    assert stretch.factor(64, 2) is None and stretch.factor(32, 1) is None
+def test_what_serving_adds_is_kept_per_emitting_rows_and_depth():
+    extra = ServingExtra()
+    for i in range(ServingExtra.MIN_SAMPLES - 1):
+        device = 10e-3 if i % 2 else 40e-3  # with a prompt chunk and without
+        extra.observe(64, 1, device + 9e-3, device)
+    assert extra.seconds(64, 1) is None  # not enough steps yet
+    extra.observe(64, 1, 34e-3, 25e-3)
+    assert extra.seconds(64, 1) == pytest.approx(9e-3)
+    assert extra.seconds(60, 1) == pytest.approx(9e-3)  # the same half octave of emitting rows
+    assert extra.seconds(64, 2) is None and extra.seconds(32, 1) is None
 
 
 def test_serving_measurements_overrule_the_quiet_profile():
-    """The profile says 64 rows do best without drafts; serving stretches depth 0's steps 3x and depth
-    1's 1.9x (host work per step weighs on the short steps): probes measure it and the policy moves to
-    depth 1, and stays there (probes aside)."""
+    """The quiet profile says 64 rows do best without drafts, and so does what serving adds to depth 0's
+    steps (3 ms) carried over to depth 1. But serving adds nothing to depth 1's steps: a probe measures
+    it and the policy moves to depth 1, and stays there (probes aside)."""
     spec = Speculation(K, adaptive=True)
     quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms, the bundled model's profile at 64 rows
     for n, ms in quiet.items():
@@ -298,7 +299,7 @@ def test_serving_measurements_overrule_the_quiet_profile():
             spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
     spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
     spec.costs.freeze()
-    truth = {0: 3.0, 1: 1.9, 2: 1.9, 3: 1.9}
+    added = {0: 3e-3, 1: 0.0, 2: 0.0, 3: 0.0}
     plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
     for row in plan.rows:
         row.request.acceptance = DepthAcceptance(K, decay=0.9)
@@ -309,7 +310,7 @@ def test_serving_measurements_overrule_the_quiet_profile():
     for _ in range(3 * speculation.PROBE_EVERY):
         drafts = spec.choose(plan)
         load = spec.shape(plan, drafts)._replace(num_tokens=int((drafts + 1).sum()))
-        spec.observe(load, truth[load.depth] * spec.costs.device(load), None)
+        spec.observe(load, spec.costs.device(load) + added[load.depth], None)
         chosen.append(spec._depth)
     assert chosen[0] == 0 and chosen[-1] == 1
     assert chosen[-speculation.PROBE_EVERY:].count(1) == speculation.PROBE_EVERY
