@@ -186,8 +186,8 @@ def engine_stats(core: EngineCore, step_id: int) -> rc.EngineStats:
         num_accepted_per_pos=acceptance.accepted_per_pos.tolist(),
         num_drafted_per_pos=acceptance.drafted_per_pos.tolist(),
         num_rows_by_drafts=core.speculation.rows_by_drafts.tolist(),
-        spec_predicted_seconds=core.speculation.costs.predicted_seconds,
-        spec_measured_seconds=core.speculation.costs.measured_seconds, timestamp=time.time(),
+        spec_predicted_seconds=core.speculation.predicted_seconds,
+        spec_measured_seconds=core.speculation.measured_seconds, timestamp=time.time(),
         num_preemptions=scheduler.num_preemptions, num_discarded_rows=core.num_discarded_rows,
         **core.connector.stats(), **core.prefix_cache_stats())
 

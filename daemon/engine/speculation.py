@@ -13,8 +13,6 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from mtpserve.engine.request import Request
@@ -30,10 +28,6 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance; fading it back towards the
 # first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
 FADE = 0.999
-# NOTE: every PROBE_EVERY steps at one load, PROBE_STEPS run a depth next to the one in use (up and down
-# in turn), so what serving adds to the alternatives stays measured (~12% of steps).
-PROBE_EVERY = 256
-PROBE_STEPS = 32
 
 
 class Speculation:
@@ -43,8 +37,8 @@ class Speculation:
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
         self.costs = StepCosts()
         self.extra = ServingExtra()
-        self._probe: tuple[int, int, int] | None = None  # (bucket, depth, steps left)
-        self._bucket_steps: dict[int, int] = {}
+        self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
+        self.measured_seconds = 0.0
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -84,10 +78,14 @@ class Speculation:
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, the device thread's times."""
-        if seconds > 0:
-            self.costs.observe(load, seconds, timing)
-            if load.num_emitting:
-                self.extra.observe(load.num_emitting, load.depth, seconds, self.costs.device(load))
+        if seconds <= 0:
+            return
+        device = self.costs.device(load)
+        self.predicted_seconds += device + self.extra.seconds(load.num_emitting)
+        self.measured_seconds += seconds
+        self.costs.observe(load, seconds, timing)
+        if load.num_emitting:
+            self.extra.observe(load.num_emitting, seconds, device)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -117,12 +115,12 @@ class Speculation:
         KV is written (a prompt prefilled without it drafts poorly all its life)."""
         return self._prompt_tokens / max(self._output_tokens, 1.0)
 
-    def _prefill_cost(self, decode: StepLoad, seconds: Callable[[StepLoad], float]) -> float:
-        """Seconds (by `seconds`) a prompt token adds to a decode step like `decode`: a typical chunk's
-        share of the difference between the step with it and without it, its depths included."""
+    def _prefill_cost(self, decode: StepLoad) -> float:
+        """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
+        difference between the step with it and without it, its depths included."""
         chunk = max(self._chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True)
-        return max(seconds(mixed) - seconds(decode), 0.0) / chunk
+        return max(self.costs.device(mixed) - self.costs.device(decode), 0.0) / chunk
 
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
         """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
@@ -147,57 +145,28 @@ class Speculation:
             window = np.maximum(np.minimum(caps_e, depth), floors) + 1
             return StepLoad(int(window.sum()), num_rows, depth, False)
 
-        def work(depth: int) -> tuple[float, float]:
-            """(device seconds, serving seconds as modelled) of a decode step of these rows at this depth,
-            plus the prompts' share: each emitted token brings `_prefill_per_token()` prompt tokens, and
-            the depths run over those as well."""
+        def work(depth: int) -> float:
+            """Device seconds of a decode step of these rows at this depth, plus the prompts' share: each
+            emitted token brings `_prefill_per_token()` prompt tokens, and the depths run over those as
+            well."""
             decode = decode_load(depth)
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            prompts = tokens * self._prefill_per_token()
-            device = self.costs.device(decode) + prompts * self._prefill_cost(decode, self.costs.device)
-            serving = self.costs.period(decode) + prompts * self._prefill_cost(decode, self.costs.period)
-            return device, serving
+            return self.costs.device(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
 
-        extras = {d: e for d in range(self.max_drafts + 1)
-                  if (e := self.extra.seconds(len(caps_e), d)) is not None}
+        extra = self.extra.seconds(len(caps_e))
 
         def period(depth: int) -> float:
-            """The device time of this load at this depth, plus what serving added to steps of this
-            shape; a depth not yet measured here takes the nearest measured depth's; none measured, the
-            model's period."""
-            device, serving = work(depth)
-            if not extras:
-                return serving
-            return device + max(extras[min(extras, key=lambda d: abs(d - depth))], 0.0)
+            """The device time of this load at this depth, plus what serving adds to a step of these rows
+            (the same whatever the depth)."""
+            return work(depth) + extra
 
-        probe = self._probed(len(caps_e), floors)
-        depth = probe if probe is not None else choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
-        if probe is None:
-            self._depth = depth
+        depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
-
-    def _probed(self, num_emitting: int, floors: np.ndarray) -> int | None:
-        """The depth of a probe under way at this load, or one starting now; None: no probe."""
-        bucket = ServingExtra.bucket(num_emitting)
-        if self._probe is not None and self._probe[0] == bucket and self._probe[2] > 0:
-            self._probe = bucket, self._probe[1], self._probe[2] - 1
-            return self._probe[1]
-        self._probe = None
-        steps = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
-        if steps % PROBE_EVERY:
-            return None
-        up = (steps // PROBE_EVERY) % 2 == 1
-        low = int(floors.max(initial=0))
-        depth = self._depth + 1 if (up and self._depth < self.max_drafts) or self._depth <= low else self._depth - 1
-        if not low <= depth <= self.max_drafts or depth == self._depth:
-            return None
-        self._probe = bucket, depth, PROBE_STEPS - 1
-        return depth
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

@@ -38,7 +38,7 @@ def saturated_device(core: EngineCore) -> None:
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
             for _ in range(Curve.MIN_SAMPLES):
                 curve.observe(n, 2e-3 + 1e-3 * n)
-    costs.depth, costs.rest = Curve(prior=lambda n: 0.0), Curve(prior=lambda n: 0.0)
+    costs.depth = Curve(prior=lambda n: 0.0)
     costs.observe = lambda *args: None  # type: ignore[method-assign]
     core.speculation.extra.observe = lambda *args: None  # type: ignore[method-assign]
 
@@ -112,5 +112,4 @@ def test_after_the_start_up_profile_the_engine_serves_and_reports_its_stats():
     assert stats.spec_predicted_seconds > 0 and stats.spec_measured_seconds > 0
     assert type(stats.spec_predicted_seconds) is float
     msgspec.msgpack.encode(stats)
-    assert core.speculation.costs.stretch  # serving fitted how it stretches the profile
     core.close()
