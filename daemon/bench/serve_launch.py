@@ -72,12 +72,17 @@ def popen_logged(argv: list[str], log_path: Path | None) -> subprocess.Popen:
 
 
 def start_all(specs: list[str], log_dir: Path | None = None) -> list[Instance]:
-    """Every instance started, then waited for; log_dir: each one's output in `LABEL.log` there."""
-    instances = [Instance.start(spec, log_dir / f"{spec.partition('=')[0]}.log" if log_dir else None)
-                 for spec in specs]
+    """Every instance started and waited for, one after the other; log_dir: each one's output in
+    `LABEL.log` there.
+
+    NOTE: one at a time: an adaptive instance times its step costs at start-up (a profile of a few
+    seconds, serving nobody); with the others starting beside it on the same cores it timed their
+    contention instead, and planned with it for the whole run."""
+    instances: list[Instance] = []
     try:
-        for instance in instances:
-            instance.wait_healthy()
+        for spec in specs:
+            instances.append(Instance.start(spec, log_dir / f"{spec.partition('=')[0]}.log" if log_dir else None))
+            instances[-1].wait_healthy()
     except BaseException:
         stop_all(instances)
         raise
