@@ -145,11 +145,8 @@ def _plot_latency(plt, runs: list[dict], xs: list, path: Path) -> Path:
 
 def plot_compare(reports: dict[str, dict], path: Path) -> str | None:
     """Several runs' JSON (label -> report) side by side: throughput and TPOT/TTFT vs concurrency."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for (label, report), color in zip(reports.items(), [f"C{i}" for i in range(10)]):
@@ -163,21 +160,14 @@ def plot_compare(reports: dict[str, dict], path: Path) -> str | None:
     right.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency")
     left.legend(fontsize=8)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, path)
 
 
 def plot_launched(rows: list[dict], path: Path) -> str | None:
     """`bench serve --launch`'s comparison (serve_launch.comparison rows): each label's median output tok/s
     against concurrency, its visits as dots, and its ratio to the best other label."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -198,6 +188,21 @@ def plot_launched(rows: list[dict], path: Path) -> str | None:
         ax.minorticks_off()
     left.legend(fontsize=8)
     right.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save(plt, fig, path: Path) -> str:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -187,7 +187,8 @@ class EngineCore(Generic[R]):
             self._count_acceptance(request, row.num_tokens - 1, int(result.num_accepted[i]))
         self.scheduler.commit(row, tokens.tolist(), reason)
         if reason is not FinishReason.NONE:
-            prompt = request.num_prefill_tokens - (request.num_cached_tokens or 0)
+            # NOTE: a PD decode instance read its requests' prompt KV; it prefilled none of it
+            prompt = request.num_prefill_tokens - (request.num_cached_tokens or 0) if request.caches_prefix else 0
             self.speculation.observe_finished(prompt, len(request.output_ids))
         if tokens.shape[0] or reason is not FinishReason.NONE:
             width = request.params.logprobs

@@ -39,8 +39,8 @@ class Speculation:
         self.costs = StepCosts()
         self.extra = ServingExtra()
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
-        self._held: tuple[int, int, int, float] | None = None  # (emitting rows, steps left, depth, slot cost)
         self.measured_seconds = 0.0
+        self._held: tuple[int, int, int, float] | None = None  # (emitting rows, steps left, depth, slot cost)
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -138,8 +138,14 @@ class Speculation:
         prior = self.instance.rates()
         rates = np.stack([self._acceptance(row.request).rates(prior) for row in plan.rows if row.emits])
         caps_e, floors = caps[emits], drafts[emits]
+        if self._held is not None and self._held[0] == len(caps_e) and self._held[1] > 0:
+            # NOTE: at a steady load the depth holds for a few steps: deciding it costs ~150 us of
+            # Python, 5% of a batch-1 step on this host
+            _, steps, depth, slot_cost = self._held
+            self._held = len(caps_e), steps - 1, depth, slot_cost
+            drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
+            return drafts
         num_rows = len(plan.rows)
-
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
 
@@ -155,13 +161,6 @@ class Speculation:
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
             return self.costs.device(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
 
-        if self._held is not None and self._held[0] == len(caps_e) and self._held[1] > 0:
-            # NOTE: at a steady load the depth holds for a few steps: deciding it costs ~150 us of
-            # Python, 5% of a batch-1 step on this host
-            _, steps, depth, slot_cost = self._held
-            self._held = len(caps_e), steps - 1, depth, slot_cost
-            drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
-            return drafts
         extra = self.extra.seconds(len(caps_e))
 
         def period(depth: int) -> float:

@@ -95,8 +95,8 @@ class ServerMetrics:
         self.spec_seconds = {
             "spec_predicted_seconds": self._counter("mtpserve:spec_step_predicted_seconds", "Step time the "
                                                     "policy's cost model predicted.").labels(m),
-            "spec_measured_seconds": self._counter("mtpserve:spec_step_measured_seconds", "Device time of "
-                                                   "the same steps.").labels(m),
+            "spec_measured_seconds": self._counter("mtpserve:spec_step_measured_seconds", "Measured period "
+                                                   "of the same steps.").labels(m),
         }
         self.registry.register(_ChosenDrafts(self))
 
