@@ -63,7 +63,8 @@ class EngineCore(Generic[R]):
         self.connector.bind(self.scheduler)
         self.acceptance = AcceptanceStats(config.scheduler.num_speculative_tokens)
         self.speculation = Speculation(config.scheduler.num_speculative_tokens,
-                                       config.adaptive_speculation and not self.connector.drafts_leave)
+                                       config.adaptive_speculation and not self.connector.drafts_leave,
+                                       config.scheduler.max_num_seqs)
         # NOTE: steps launched and not finished, oldest first; at most `_depth` (2 when overlapping).
         self._inflight: collections.deque[Launched] = collections.deque()
         self._depth = 2 if config.overlap else 1
@@ -170,8 +171,13 @@ class EngineCore(Generic[R]):
         """Verify/update/emit: bounds-check, then commit each row still current, in one pass."""
         check_bounds(result.token_ids[result.token_ids >= 0], self.runner.vocab_size)
         verified = [i for i, row in enumerate(plan.rows) if self._apply_row(row, result, i, out)]
-        num_drafts = np.array([plan.rows[i].num_tokens - 1 for i in verified], np.int64)
-        self.acceptance.observe(result.num_accepted[verified], num_drafts)
+        rows = [plan.rows[i] for i in verified]
+        num_drafts = np.array([row.num_tokens - 1 for row in rows], np.int64)
+        num_accepted = result.num_accepted[verified]
+        self.acceptance.observe(num_accepted, num_drafts)
+        if rows:
+            self.speculation.observe_windows(np.array([row.slot for row in rows], np.int64), num_drafts,
+                                             num_accepted, np.array([row.request.mtp_depth for row in rows]))
         return out.build(result.step_id)
 
     def _apply_row(self, row: ScheduledRow, result: StepResult, i: int, out: Emitter) -> bool:
@@ -200,7 +206,6 @@ class EngineCore(Generic[R]):
     def _count_acceptance(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
-        self.speculation.observe_window(request, num_drafts, num_accepted)
 
     def _emit_aborts(self, out: Emitter) -> Emitter:
         for request_id, num_emitted in self._aborted:

@@ -114,16 +114,22 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 12) -> None:
+def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 12,
+                  passes: int = 3) -> None:
     """Run steps at a few batch sizes and every depth 0..K (their prompts' prefill chunks, then decode
     windows), so the policy's device curves have seen every depth before the first client, then freeze
-    them (spec_cost.py; docs/speculation.md); a few seconds here."""
+    them (spec_cost.py; docs/speculation.md); a few seconds here.
+
+    NOTE: in `passes` rounds, each in another order, so that a burst of other work on the host lands in
+    one round's samples of a cell and the cell's lower quartile (Curve.settle) leaves it out."""
     spec = core.speculation
     if not spec.adaptive:
         return
     prompt = tuple(range(1, 33))
-    for batch in sorted({min(b, core.config.scheduler.max_num_seqs) for b in batches}):
-        for drafts in range(spec.max_drafts + 1):
+    sizes = sorted({min(b, core.config.scheduler.max_num_seqs) for b in batches})
+    grid = [(batch, drafts) for batch in sizes for drafts in range(spec.max_drafts + 1)]
+    for round_ in range(passes):
+        for batch, drafts in grid if round_ % 2 == 0 else reversed(grid):
             spec.forced = drafts
             params = SamplingParams(temperature=0.0, max_tokens=num_windows * (drafts + 1), ignore_eos=True)
             for i in range(batch):

@@ -7,7 +7,6 @@ import enum
 
 import numpy as np
 
-from mtpserve.engine.spec_stats import DepthAcceptance
 from mtpserve.ipc.sampling_params import SamplingParams, sampling_problems
 
 
@@ -81,7 +80,6 @@ class Request:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.acceptance: DepthAcceptance | None = None  # its drafts' acceptance per depth (speculation.py)
         self.hold_kv = req.hold_kv
         self.remote = req.remote  # None once its KV arrived (or the engine fell back to recompute)
         self.remote_start: tuple[int, np.ndarray] | None = None  # (last token, drafts) of arrived KV

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,21 +38,30 @@ from mtpserve.engine.step_plan import StepTiming
 class Curve:
     """y(x) from samples: an exponentially weighted mean of x and y per cell (x in quarter octaves),
     interpolated linearly between cells; below the lowest cell its value (a small step costs what reading
-    the weights costs, not less), above the highest its value per unit of x."""
+    the weights costs, not less), above the highest its value per unit of x.
+
+    `settle()` ends the learning: each cell keeps the lower quartile of the samples it saw instead of
+    their mean."""
 
     MIN_SAMPLES = 3
     WEIGHT = 0.05  # of a new sample: a cell follows its last ~20 samples
+    QUANTILE = 0.25  # what a settled cell keeps
+    KEPT = 256  # samples a cell remembers for it
 
     def __init__(self, prior: Callable[[float], float]) -> None:
         self.prior = prior
         self._x: dict[int, float] = {}
         self._y: dict[int, float] = {}
         self._count: dict[int, int] = {}
+        self._samples: dict[int, deque[float]] | None = {}  # a cell's last y's, until settled
         self._points: tuple[list[float], list[float]] | None = None  # the known cells, sorted
 
     def observe(self, x: float, y: float) -> None:
+        if self._samples is None:
+            return
         key = round(4 * math.log2(max(x, 1.0)))
         count = self._count[key] = self._count.get(key, 0) + 1
+        self._samples.setdefault(key, deque(maxlen=self.KEPT)).append(y)
         # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) sample fades
         weight = max(1.0 / count, self.WEIGHT)
         self._x[key] = self._x.get(key, x) + weight * (x - self._x.get(key, x))
@@ -69,6 +79,20 @@ class Curve:
             return ys[-1] * x / xs[-1]
         share = (x - xs[i - 1]) / max(xs[i] - xs[i - 1], 1e-9)
         return ys[i - 1] + share * (ys[i] - ys[i - 1])
+
+    def settle(self) -> None:
+        """Keep each cell at the lower quartile of its samples, and learn no more.
+
+        NOTE: the start-up profile's samples are the device's time plus whatever else ran on the host
+        meanwhile (another process starting, the kernel's own work); that only ever adds time, and on
+        this 2-core host one burst moved a cell's mean 20-30% between two profiles of one process, which
+        is more than the depths differ by. A low quantile is the device's time on a quiet host."""
+        if self._samples is None:
+            return
+        for key, ys in self._samples.items():
+            self._y[key] = float(np.quantile(ys, self.QUANTILE))
+        self._samples = None
+        self._points = None
 
     def _known(self) -> tuple[list[float], list[float]]:
         if self._points is None:
@@ -120,6 +144,8 @@ class StepCosts:
     def freeze(self) -> None:
         """Keep the curves as they are (the start-up profile's, on a machine serving nobody): serving's
         own costs are measured apart (`ServingExtra`)."""
+        for curve in (self.decode, self.mixed, self.depth):
+            curve.settle()
         self.frozen = True
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:

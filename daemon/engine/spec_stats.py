@@ -42,38 +42,74 @@ class AcceptanceStats:
         return (self.accepted_per_pos / np.maximum(self.drafted_per_pos, 1)).tolist()
 
 
+def window_counts(num_drafts: np.ndarray, num_accepted: np.ndarray, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Verified windows [R] -> ([R, K] depths tried, [R, K] depths accepted). Depth i of a window of n
+    drafts was tried if the i drafts before it were accepted (i < n, i <= accepted) and accepted if
+    accepted > i."""
+    depth = np.arange(max_drafts)
+    drafted = depth < num_drafts[:, None]
+    return drafted & (depth <= num_accepted[:, None]), drafted & (depth < num_accepted[:, None])
+
+
 class DepthAcceptance:
     """A running estimate of the chance that the draft at each depth is accepted, given that the drafts
-    before it were: decayed counts of tries and acceptances per depth, shrunk towards a prior.
-
-    Depth i of a window of n drafts was tried if the i drafts before it were accepted (i <= accepted) and
-    accepted if accepted > i."""
+    before it were: decayed counts of tries and acceptances per depth, shrunk towards a prior. The
+    instance's, over every request's windows: the prior of a new request."""
 
     PRIOR_WEIGHT = 4.0  # windows' worth of evidence the prior counts for
     FIRST_PRIOR = 0.7  # before anything was seen: what trained MTP heads accept at depth 1, roughly
 
     def __init__(self, max_drafts: int, decay: float) -> None:
-        # NOTE: plain lists: K is a handful, and every verified window of every step updates one
-        self.tried = [0.0] * max_drafts
-        self.accepted = [0.0] * max_drafts
-        self.decay = decay
+        self.tried = np.zeros(max_drafts)
+        self.accepted = np.zeros(max_drafts)
+        self.decay = decay  # per window
 
-    def observe(self, num_drafts: int, num_accepted: int, complete: int | None = None) -> None:
-        """`complete`: only depths below it count (the deeper ones drafted over a context with gaps)."""
-        counted = num_drafts if complete is None else min(num_drafts, complete)
-        if counted <= 0:
-            return
-        tried, accepted, decay = self.tried, self.accepted, self.decay
-        for depth in range(len(tried)):
-            tried[depth] = tried[depth] * decay + (depth < counted and depth <= num_accepted)
-            accepted[depth] = accepted[depth] * decay + (depth < counted and depth < num_accepted)
+    def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """One step's windows [R] (windows of no drafts count for nothing)."""
+        tried, accepted = window_counts(num_drafts, num_accepted, self.tried.shape[0])
+        self.add(tried, accepted, int((num_drafts > 0).sum()))
+
+    def add(self, tried: np.ndarray, accepted: np.ndarray, num_windows: int) -> None:
+        """`window_counts` of a step's windows, `num_windows` of them (each decays what came before)."""
+        factor = self.decay ** num_windows
+        self.tried = self.tried * factor + tried.sum(axis=0)
+        self.accepted = self.accepted * factor + accepted.sum(axis=0)
 
     def fade(self, factor: float) -> None:
         """Weaken the evidence without adding any (the estimate drifts back towards the prior)."""
-        self.tried = [t * factor for t in self.tried]
-        self.accepted = [a * factor for a in self.accepted]
+        self.tried = self.tried * factor
+        self.accepted = self.accepted * factor
 
     def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
         """[K] conditional acceptance per depth."""
-        base = np.full(len(self.tried), self.FIRST_PRIOR) if prior is None else prior
-        return (np.array(self.accepted) + self.PRIOR_WEIGHT * base) / (np.array(self.tried) + self.PRIOR_WEIGHT)
+        base = np.full(self.tried.shape[0], self.FIRST_PRIOR) if prior is None else prior
+        return (self.accepted + self.PRIOR_WEIGHT * base) / (self.tried + self.PRIOR_WEIGHT)
+
+
+class SlotAcceptance:
+    """Each running request's estimate, as DepthAcceptance's, in one table by device slot: a step reads
+    and updates all its rows in one numpy operation (per-request objects cost ~5 us a row a step, the
+    policy's largest part at 64 rows). A request taking a slot starts from its prior alone."""
+
+    def __init__(self, num_slots: int, max_drafts: int, decay: float) -> None:
+        self.tried = np.zeros((num_slots, max_drafts))  # [S, K]
+        self.accepted = np.zeros((num_slots, max_drafts))
+        self.decay = decay  # per window of the slot's request
+
+    def reset(self, slots: np.ndarray) -> None:
+        self.tried[slots] = 0.0
+        self.accepted[slots] = 0.0
+
+    def observe(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """One step's windows [R] of distinct slots, each of at least one draft."""
+        self.add(slots, *window_counts(num_drafts, num_accepted, self.tried.shape[1]))
+
+    def add(self, slots: np.ndarray, tried: np.ndarray, accepted: np.ndarray) -> None:
+        """`window_counts` of one window per slot."""
+        self.tried[slots] = self.tried[slots] * self.decay + tried
+        self.accepted[slots] = self.accepted[slots] * self.decay + accepted
+
+    def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """[R, K] conditional acceptance per depth of these slots' requests."""
+        weight = DepthAcceptance.PRIOR_WEIGHT
+        return (self.accepted[slots] + weight * prior) / (self.tried[slots] + weight)

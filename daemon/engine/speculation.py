@@ -13,13 +13,15 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
-from mtpserve.engine.spec_stats import DepthAcceptance
+from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, window_counts
 from mtpserve.engine.step_plan import StepTiming
 
 SWITCH_MARGIN = 0.05
@@ -32,15 +34,16 @@ FADE = 0.999
 
 
 class Speculation:
-    def __init__(self, max_drafts: int, adaptive: bool) -> None:
+    def __init__(self, max_drafts: int, adaptive: bool, num_slots: int) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive and max_drafts > 0
         self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
+        self.requests = SlotAcceptance(num_slots, max_drafts, decay=0.9)  # each running request's
         self.costs = StepCosts()
         self.extra = ServingExtra()
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
-        self._held: tuple[int, int, int, float] | None = None  # (emitting rows, steps left, depth, slot cost)
+        self._held: _Hold | None = None  # the last decision, while it holds
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -50,26 +53,24 @@ class Speculation:
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
-        caps = np.array([self._cap(row.request) for row in plan.rows], np.int64)
-        if self.forced is not None:
-            drafts = np.minimum(caps, self.forced)
-        elif not self.adaptive:
-            drafts = caps
+        if self.adaptive and self.forced is None:
+            drafts = self._adaptive(plan)
         else:
-            self._observe_load(plan)
-            drafts = self._policy(plan, caps)
+            caps = self._caps(plan)
+            drafts = caps if self.forced is None else np.minimum(caps, self.forced)
         depth = int(drafts.max(initial=0))
         if self.adaptive and depth == 0:
             self.instance.fade(FADE)
         for row, k in zip(plan.rows, drafts.tolist()):
             row.request.num_drafts = k
             row.request.mtp_depth = min(row.request.mtp_depth, depth)
-        np.add.at(self.rows_by_drafts, drafts, 1)
+        self.rows_by_drafts += np.bincount(drafts, minlength=self.max_drafts + 1)
         return drafts
 
     def forget_acceptance(self) -> None:
         """Keep the step costs, drop what was learnt of acceptance (after the start-up profile)."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
+        self.requests.reset(np.arange(self.requests.tried.shape[0]))
         self.rows_by_drafts[:] = 0
 
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
@@ -94,13 +95,25 @@ class Speculation:
         self._prompt_tokens += REQUEST_WEIGHT * (prompt_tokens - self._prompt_tokens)
         self._output_tokens += REQUEST_WEIGHT * (output_tokens - self._output_tokens)
 
-    def observe_window(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts:
-            self._acceptance(request).observe(num_drafts, num_accepted)
-            # NOTE: the instance's estimate is every new request's prior: only drafts made over a
-            # complete MTP context teach it, or a busy spell (little drafting, gaps) would lower it
-            # for the quiet one after it
-            self.instance.observe(num_drafts, num_accepted, complete=request.mtp_depth)
+    def observe_windows(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray,
+                        complete: np.ndarray) -> None:
+        """A step's verified windows [R]: their slots, drafts, drafts accepted, and the MTP depths their
+        requests ran in every step (`Request.mtp_depth`)."""
+        if not self.adaptive:
+            return
+        drafted = num_drafts > 0
+        if not drafted.all():
+            slots, num_drafts, num_accepted, complete = (a[drafted] for a in (slots, num_drafts, num_accepted,
+                                                                              complete))
+        if not slots.size:
+            return
+        tried, accepted = window_counts(num_drafts, num_accepted, self.max_drafts)
+        self.requests.add(slots, tried, accepted)
+        # NOTE: the instance's estimate is every new request's prior: only drafts made over a complete
+        # MTP context teach it, or a busy spell (little drafting, gaps) would lower it for the quiet
+        # one after it
+        whole = np.arange(self.max_drafts) < complete[:, None]
+        self.instance.add(tried & whole, accepted & whole, int((complete > 0).sum()))
 
     def _observe_load(self, plan: SchedulePlan) -> None:
         """The running mean of a step's prompt chunk (the policy plans for the load, not for this
@@ -124,6 +137,25 @@ class Speculation:
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True)
         return max(self.costs.device(mixed) - self.costs.device(decode), 0.0) / chunk
 
+    def _adaptive(self, plan: SchedulePlan) -> np.ndarray:
+        """The policy's drafts; while a decision holds and the step has the same rows as the last, the
+        last step's drafts.
+
+        NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
+        Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
+        self._observe_load(plan)
+        key = tuple((row.slot, row.emits) for row in plan.rows)
+        held = self._held
+        if held is not None and held.steps and held.key == key and not plan.inserts:
+            held.steps -= 1
+            return held.drafts
+        if plan.inserts:
+            self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64))
+        drafts = self._policy(plan, self._caps(plan))
+        if self._held is not None:
+            self._held.key, self._held.drafts = key, drafts
+        return drafts
+
     def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
         """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
         drafts. A prefill chunk that does not emit yet drafts nothing, but the depths the step runs
@@ -135,15 +167,13 @@ class Speculation:
         emits = np.array([row.emits for row in plan.rows])
         if not emits.any():
             return drafts
-        prior = self.instance.rates()
-        rates = np.stack([self._acceptance(row.request).rates(prior) for row in plan.rows if row.emits])
+        slots = np.array([row.slot for row in plan.rows], np.int64)
+        rates = self.requests.rates(slots[emits], self.instance.rates())
         caps_e, floors = caps[emits], drafts[emits]
-        if self._held is not None and self._held[0] == len(caps_e) and self._held[1] > 0:
-            # NOTE: at a steady load the depth holds for a few steps: deciding it costs ~150 us of
-            # Python, 5% of a batch-1 step on this host
-            _, steps, depth, slot_cost = self._held
-            self._held = len(caps_e), steps - 1, depth, slot_cost
-            drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
+        held = self._held
+        if held is not None and held.num_emitting == len(caps_e) and held.steps:
+            held.steps -= 1
+            drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
             return drafts
         num_rows = len(plan.rows)
         gain = expected_tokens(rates)
@@ -173,18 +203,29 @@ class Speculation:
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
-        self._held = len(caps_e), HOLD_STEPS - 1, depth, slot_cost
+        self._held = _Hold(len(caps_e), HOLD_STEPS - 1, depth, slot_cost)
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts
+
+    def _caps(self, plan: SchedulePlan) -> np.ndarray:
+        return np.array([self._cap(row.request) for row in plan.rows], np.int64)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
         return self.max_drafts if cap is None else min(cap, self.max_drafts)
 
-    def _acceptance(self, request: Request) -> DepthAcceptance:
-        if request.acceptance is None:
-            request.acceptance = DepthAcceptance(self.max_drafts, decay=0.9)
-        return request.acceptance
+
+@dataclasses.dataclass
+class _Hold:
+    """A decision of the policy and the steps it still holds for: its depth and slot cost while as many
+    rows emit, its drafts while the rows are the same (`key`: their slots and whether each emits)."""
+
+    num_emitting: int
+    steps: int
+    depth: int
+    slot_cost: float
+    key: tuple[tuple[int, bool], ...] = ()
+    drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def _is_seeded_sample(request: Request) -> bool:

@@ -9,7 +9,7 @@ from mtpserve.engine.spec_cost import Curve, ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_stats import DepthAcceptance
+from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -136,6 +136,45 @@ def test_a_curve_follows_a_device_that_slows_down():
     assert curve(32) == pytest.approx(10e-3, rel=0.01)
 
 
+def test_a_settled_curve_keeps_the_quiet_device_time_through_bursts_and_learns_no_more():
+    """A profile where one pass in three ran beside a burst of other work (twice as slow): the settled cell
+    is the quiet time, where the mean would be a third higher."""
+    curve = Curve(prior=lambda n: 0.0)
+    for i in range(36):
+        curve.observe(16, 4e-3 if i // 12 == 1 else 2e-3)
+    assert curve(16) > 2.5e-3  # the running mean saw the burst
+    curve.settle()
+    assert curve(16) == pytest.approx(2e-3)
+    for _ in range(50):
+        curve.observe(16, 9e-3)
+    assert curve(16) == pytest.approx(2e-3)
+
+
+def test_each_slot_learns_from_its_own_windows_and_a_new_request_starts_from_the_prior():
+    table, prior = SlotAcceptance(num_slots=4, max_drafts=K, decay=0.9), np.full(K, 0.7)
+    for _ in range(50):  # slot 0 accepts every draft, slot 1 none (so only its depth 1 is ever tried)
+        table.observe(np.array([0, 1]), np.array([K, K]), np.array([K, 0]))
+    got = table.rates(np.array([0, 1, 2]), prior)
+    assert got[0].min() > 0.9
+    assert got[1, 0] < 0.25 and np.allclose(got[1, 1:], prior[1:])  # ~10 windows of evidence against 4 of prior
+    assert np.allclose(got[2], prior)  # a slot that saw nothing
+    table.reset(np.array([0]))
+    assert np.allclose(table.rates(np.array([0]), prior), prior)
+
+
+def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
+    """A request whose MTP KV has gaps beyond depth 1 (a step ran one depth) teaches the instance's prior
+    its first depth only; its own estimate learns every depth."""
+    spec = Speculation(K, adaptive=True, num_slots=2)
+    for _ in range(100):
+        spec.observe_windows(np.array([0]), np.array([K]), np.array([0]), complete=np.array([1]))
+    assert spec.instance.tried[0] > 0 and spec.instance.tried[1:].sum() == 0
+    assert spec.requests.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.25
+    windows = DepthAcceptance(K, decay=0.999)
+    windows.observe(np.array([0, 2]), np.array([0, 2]))  # a window of no drafts counts for nothing
+    assert windows.tried.tolist() == [1.0, 1.0, 0.0] and windows.accepted.tolist() == [1.0, 1.0, 0.0]
+
+
 def test_the_step_costs_split_the_device_time_into_target_and_depths():
     costs = StepCosts()
     for _ in range(Curve.MIN_SAMPLES):
@@ -155,7 +194,7 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
     """The depth a decode step gets when steps of these rows at each depth took the given periods (all
     of it on the device, in the target pass), and each emitted token brings `prefill_per_token` prompt
     tokens (a prompt token costs what a decode token costs, and runs every depth as well)."""
-    spec = Speculation(K, adaptive=True)
+    spec = Speculation(K, adaptive=True, num_slots=64)
     for depth, ms in enumerate(periods_ms):
         for _ in range(Curve.MIN_SAMPLES):
             spec.costs.observe(StepLoad(rows * (depth + 1), rows, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
@@ -172,10 +211,8 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
             spec.observe_finished(round(prefill_per_token * 128), 128)
     spec._depth = current
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
-    for row in plan.rows:  # NOTE: 100 windows' worth of evidence at the given rate per depth
-        row.request.acceptance = DepthAcceptance(K, decay=0.9)
-        row.request.acceptance.tried = [100.0] * K
-        row.request.acceptance.accepted = [100.0 * acceptance] * K
+    spec.requests.tried[:] = 100.0  # NOTE: 100 windows' worth of evidence at the given rate per depth
+    spec.requests.accepted[:] = 100.0 * acceptance
     spec._policy(plan, caps(rows))
     return spec._depth
 
@@ -215,13 +252,11 @@ def test_the_depth_in_use_is_kept_unless_another_is_clearly_better():
 def test_after_a_spell_of_no_drafting_the_instance_tries_again():
     """Acceptance near zero stops drafting; with nothing drafted nothing teaches the instance's estimate,
     which fades back towards the first prior, so drafting is tried again later."""
-    spec = Speculation(K, adaptive=True)
+    spec = Speculation(K, adaptive=True, num_slots=64)
     for _ in range(300):
-        spec.instance.observe(K, 0)
+        spec.instance.observe(np.array([K]), np.array([0]))
     assert spec.instance.rates()[0] < 0.05
-    row = decode_row(0)
-    row.request.acceptance = None
-    plan = SchedulePlan((row,), (), (), ())
+    plan = SchedulePlan((decode_row(0),), (), (), ())
     assert spec.choose(plan).tolist() == [0]
     for _ in range(20_000):
         if spec.choose(plan).tolist() != [0]:
@@ -232,7 +267,7 @@ def test_after_a_spell_of_no_drafting_the_instance_tries_again():
 def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
     """The depth at 64 rows after serving steps that took `added_ms` more than their quiet device time,
     on the bundled model's profile at 64 rows (acceptance 0.7 per depth)."""
-    spec = Speculation(K, adaptive=True)
+    spec = Speculation(K, adaptive=True, num_slots=64)
     quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms
     for n, ms in quiet.items():
         for _ in range(Curve.MIN_SAMPLES):
@@ -243,10 +278,8 @@ def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
         n = (64, 128, 192, 256)[i % 4]
         spec.observe(StepLoad(n, 64, 0, False, 64), (added_ms + quiet[n]) * 1e-3, None)
     plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
-    for row in plan.rows:
-        row.request.acceptance = DepthAcceptance(K, decay=0.9)
-        row.request.acceptance.tried = [100.0] * K
-        row.request.acceptance.accepted = [70.0] * K
+    spec.requests.tried[:] = 100.0
+    spec.requests.accepted[:] = 70.0
     spec._depth = 0
     spec._policy(plan, caps(64))
     return spec._depth, spec
