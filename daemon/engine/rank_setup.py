@@ -114,26 +114,42 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 12,
-                  passes: int = 3) -> None:
-    """Run steps at a few batch sizes and every depth 0..K (their prompts' prefill chunks, then decode
-    windows), so the policy's device curves have seen every depth before the first client, then freeze
-    them (spec_cost.py; docs/speculation.md); a few seconds here.
+def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 8,
+                  passes: int = 3, contexts: tuple[int, int] = (32, 384), long_batches: int = 16) -> None:
+    """Run decode steps at a few batch sizes and every depth 0..K, at a short and a long context (prompt
+    tokens; the long one up to `long_batches` rows), so the policy's device curves have seen every depth
+    and how attention grows with context before the first client, then freeze them (spec_cost.py;
+    docs/speculation.md); a few seconds here. Each batch's prompts are prefilled once and then decode
+    `num_windows` steps at each depth in turn (a prompt's MTP KV gaps change what its drafts are worth,
+    not what a step costs).
 
     NOTE: in `passes` rounds, each in another order, so that a burst of other work on the host lands in
-    one round's samples of a cell and the cell's lower quartile (Curve.settle) leaves it out."""
+    one round's samples of a cell and the cell's lower quartile (Curve.settle) leaves it out. Every row
+    has its own prompt: rows sharing one would share its KV blocks, which a cache holds for them all."""
     spec = core.speculation
     if not spec.adaptive:
         return
-    prompt = tuple(range(1, 33))
-    sizes = sorted({min(b, core.config.scheduler.max_num_seqs) for b in batches})
-    grid = [(batch, drafts) for batch in sizes for drafts in range(spec.max_drafts + 1)]
+    config, vocab = core.config.scheduler, core.runner.vocab_size
+    sizes = sorted({min(b, config.max_num_seqs) for b in batches})
+    # NOTE: half the model's length and of each long row's share of the KV cache, so nothing is preempted
+    room = config.num_blocks * config.block_size // (2 * max(b for b in sizes if b <= long_batches))
+    lengths = [max(min(n, room, config.max_model_len // 2 or n), 1) for n in contexts]
+    loads = [(batch, length) for length in lengths for batch in sizes if length == lengths[0] or batch <= long_batches]
+    depths = list(range(spec.max_drafts + 1))
+    params = SamplingParams(temperature=0.0, max_tokens=num_windows * (spec.max_drafts + 1) * len(depths),
+                            ignore_eos=True)
     for round_ in range(passes):
-        for batch, drafts in grid if round_ % 2 == 0 else reversed(grid):
-            spec.forced = drafts
-            params = SamplingParams(temperature=0.0, max_tokens=num_windows * (drafts + 1), ignore_eos=True)
-            for i in range(batch):
-                core.add_request(EngineRequest(-2 - i, prompt, params))
+        for batch, length in loads if round_ % 2 == 0 else reversed(loads):
+            ids = [-2 - i for i in range(batch)]
+            for i, request_id in enumerate(ids):
+                prompt = tuple((7 * j + 131 * i + 997 * round_) % (vocab - 1) + 1 for j in range(length))
+                core.add_request(EngineRequest(request_id, prompt, params))
+            for drafts in depths if round_ % 2 == 0 else reversed(depths):
+                spec.forced = drafts
+                for _ in range(num_windows):
+                    core.step()
+            for request_id in ids:
+                core.abort_request(request_id)
             _drain(core)
     spec.forced = None
     spec.costs.freeze()

@@ -5,15 +5,16 @@ finish to its own). Two layers:
 
 1. The device's time for a step, as curves over what it computes (`StepCosts`):
 
-       device = target(N) + D * depth(N)
+       device = target(N) + a_target * C + D * (depth(N) + a_depth * C)
 
    target(N): the device thread's time for everything but drafting (target pass over N tokens, LM head,
    verification, logprobs), one curve for decode-only steps and one for steps with a prefill chunk (a
    decode token is also a logit row, a prompt token is not, and on a small model the LM head costs as
-   much as a layer); depth(N): one MTP depth over the same N tokens. The device thread's times come from
-   the step itself (`StepTiming`), taken where it already waits for the device, so timing adds no sync.
-   A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at every depth
-   and a few batch sizes; then they are frozen.
+   much as a layer); depth(N): one MTP depth over the same N tokens; C: the positions the step's rows
+   attend, and a_target, a_depth what each costs the target pass and a depth. The device thread's times
+   come from the step itself (`StepTiming`), taken where it already waits for the device, so timing adds
+   no sync. A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at
+   every depth, a few batch sizes and a short and a long context; then they are frozen.
 2. What serving adds to it (`ServingExtra`): the period less the device time, measured by the rows
    that emit over every step. The host loop, the HTTP process and any client share the cores with the
    device and add about as much to a step whatever it computes.
@@ -40,8 +41,10 @@ class Curve:
     interpolated linearly between cells; below the lowest cell its value (a small step costs what reading
     the weights costs, not less), above the highest its value per unit of x.
 
-    `settle()` ends the learning: each cell keeps the lower quartile of the samples it saw instead of
-    their mean."""
+    A sample may come with a context c (what the step attends, `StepLoad.context`): `context_slope()` is
+    what y grows by per unit of c, from the samples of cells that saw short and long contexts, and
+    `settle(per_context)` ends the learning: each cell keeps the lower quartile of its samples' y less
+    per_context * c, the cell's cost at no context (the caller adds per_context * c back)."""
 
     MIN_SAMPLES = 3
     WEIGHT = 0.05  # of a new sample: a cell follows its last ~20 samples
@@ -53,15 +56,15 @@ class Curve:
         self._x: dict[int, float] = {}
         self._y: dict[int, float] = {}
         self._count: dict[int, int] = {}
-        self._samples: dict[int, deque[float]] | None = {}  # a cell's last y's, until settled
+        self._samples: dict[int, deque[tuple[float, float]]] | None = {}  # a cell's last (y, c), until settled
         self._points: tuple[list[float], list[float]] | None = None  # the known cells, sorted
 
-    def observe(self, x: float, y: float) -> None:
+    def observe(self, x: float, y: float, context: float = 0.0) -> None:
         if self._samples is None:
             return
         key = round(4 * math.log2(max(x, 1.0)))
         count = self._count[key] = self._count.get(key, 0) + 1
-        self._samples.setdefault(key, deque(maxlen=self.KEPT)).append(y)
+        self._samples.setdefault(key, deque(maxlen=self.KEPT)).append((y, context))
         # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) sample fades
         weight = max(1.0 / count, self.WEIGHT)
         self._x[key] = self._x.get(key, x) + weight * (x - self._x.get(key, x))
@@ -80,8 +83,23 @@ class Curve:
         share = (x - xs[i - 1]) / max(xs[i] - xs[i - 1], 1e-9)
         return ys[i - 1] + share * (ys[i] - ys[i - 1])
 
-    def settle(self) -> None:
-        """Keep each cell at the lower quartile of its samples, and learn no more.
+    def context_slope(self) -> float:
+        """Seconds per unit of context: per cell, the lower quartiles of its long-context and short-context
+        samples (split halfway between its shortest and longest) over their contexts' difference; the
+        median over the cells that saw both (0 if none did)."""
+        slopes = []
+        for samples in (self._samples or {}).values():
+            ys, cs = np.array([y for y, _ in samples]), np.array([c for _, c in samples])
+            long = cs > (cs.min() + cs.max()) / 2
+            if long.sum() < self.MIN_SAMPLES or (~long).sum() < self.MIN_SAMPLES:
+                continue
+            rise = np.quantile(ys[long], self.QUANTILE) - np.quantile(ys[~long], self.QUANTILE)
+            slopes.append(rise / (np.median(cs[long]) - np.median(cs[~long])))
+        return max(float(np.median(slopes)), 0.0) if slopes else 0.0
+
+    def settle(self, per_context: float = 0.0) -> None:
+        """Keep each cell at the lower quartile of its samples (less `per_context` * their context), and
+        learn no more.
 
         NOTE: the start-up profile's samples are the device's time plus whatever else ran on the host
         meanwhile (another process starting, the kernel's own work); that only ever adds time, and on
@@ -89,8 +107,8 @@ class Curve:
         is more than the depths differ by. A low quantile is the device's time on a quiet host."""
         if self._samples is None:
             return
-        for key, ys in self._samples.items():
-            self._y[key] = float(np.quantile(ys, self.QUANTILE))
+        for key, samples in self._samples.items():
+            self._y[key] = float(np.quantile([y - per_context * c for y, c in samples], self.QUANTILE))
         self._samples = None
         self._points = None
 
@@ -109,6 +127,7 @@ class StepLoad(NamedTuple):
     depth: int  # MTP depths the step ran
     has_prefill: bool
     num_emitting: int = 0  # rows that emit (decode windows, last prompt chunks)
+    context: int = 0  # positions the rows attend: each row's KV length at the end of its tokens, summed
 
 
 # NOTE: CPU-sized guesses (seconds) used until a curve has samples: 2 ms + 0.2 ms a token for the target
@@ -122,18 +141,30 @@ def _depth_prior(n: float) -> float:
 
 
 class StepCosts:
-    """The device's time for a step, as curves over what it computes."""
+    """The device's time for a step, as curves over what it computes:
+
+        device = target(N) + a_target * C + D * (depth(N) + a_depth * C),
+
+    N the target pass's tokens, C the positions its rows attend (`StepLoad.context`), D the depths.
+
+    NOTE: a decode row reads its whole KV once per layer whatever its window, so attention grows with the
+    rows' contexts, not with N: measured here at 16 rows, 384-token prompts instead of 32 doubled a
+    depth-0 step (2.2 -> 4.4 ms) and each depth's draft time (0.7 -> 1.5 ms), and curves over N alone,
+    profiled at short contexts, charged a depth half of what it costs in serving."""
 
     def __init__(self) -> None:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps
         self.mixed = Curve(_target_prior)  # target(N) of steps with a prefill chunk
         self.depth = Curve(_depth_prior)
+        self.per_context_target = 0.0  # a_target: seconds per attended position (0 until profiled)
+        self.per_context_depth = 0.0  # a_depth
         self.frozen = False
 
     def device(self, load: StepLoad) -> float:
         """The device thread's time for a step like `load`, as the curves have it."""
         target = self.mixed if load.has_prefill else self.decode
-        return target(load.num_tokens) + load.depth * self.depth(load.num_tokens)
+        depth = self.depth(load.num_tokens) + self.per_context_depth * load.context
+        return target(load.num_tokens) + self.per_context_target * load.context + load.depth * depth
 
     def device_token_seconds(self, load: StepLoad) -> float:
         """What one more target-pass token per row adds to the device time of a step like `load`, per
@@ -144,8 +175,11 @@ class StepCosts:
     def freeze(self) -> None:
         """Keep the curves as they are (the start-up profile's, on a machine serving nobody): serving's
         own costs are measured apart (`ServingExtra`)."""
-        for curve in (self.decode, self.mixed, self.depth):
-            curve.settle()
+        self.per_context_target = self.decode.context_slope()
+        self.per_context_depth = self.depth.context_slope()
+        self.decode.settle(self.per_context_target)
+        self.mixed.settle(self.per_context_target)
+        self.depth.settle(self.per_context_depth)
         self.frozen = True
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
@@ -155,23 +189,24 @@ class StepCosts:
             return
         target = self.mixed if load.has_prefill else self.decode
         if timing is None:
-            target.observe(load.num_tokens, max(seconds - load.depth * self.depth(load.num_tokens), 0.0))
+            target.observe(load.num_tokens, max(seconds - load.depth * self.depth(load.num_tokens), 0.0),
+                           load.context)
             return
-        target.observe(load.num_tokens, timing.target_seconds)
+        target.observe(load.num_tokens, timing.target_seconds, load.context)
         if load.depth:
-            self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth)
+            self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth, load.context)
 
 
 class ServingExtra:
     """What serving adds to the device time of a step, by the rows that emit (half octaves): a running
     mean of the step's period less the device time the curves give for that very step, over every step.
 
-    NOTE: measured on this host at 64 rows: decode steps at depth 0 took 16.8 ms for 7.4 ms of device
-    time, at depth 1 23.6 ms for 15.2, and steps with a prompt chunk 53 ms for 47: serving adds about as
-    much to a step whatever it computes (the host's work per step, the HTTP process and the client
-    streaming a chunk per row, on the same cores). Added, not scaled: the ratio differed 2x between
-    steps with a prompt chunk and without, and carried to a deeper depth it charged that depth for
-    contention it does not cause."""
+    NOTE: the host's work per step, the HTTP process and the clients share the cores with the device. Added,
+    not scaled: a period-to-device ratio differed 2x between steps with a prompt chunk and without, and
+    carried to a deeper depth it charged that depth for contention it does not cause. What looked like
+    serving's stretch of deeper steps (each depth 1.2-1.7x its quiet cost at 4-64 streams) was context:
+    with the device curves measuring attention (`StepCosts`), the curves alone give serving's periods at
+    1-64 streams within ~10%, and what remains here is small."""
 
     WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps
     MIN_SAMPLES = 16

@@ -77,7 +77,8 @@ class Speculation:
         """What the cost model knows of the step `plan` launches with `drafts`."""
         has_prefill = any(row.is_prefill for row in plan.rows)
         emitting = sum(row.emits for row in plan.rows)
-        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting)
+        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
+                        _context(plan))
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, the device thread's times."""
@@ -134,7 +135,8 @@ class Speculation:
         """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
         difference between the step with it and without it, its depths included."""
         chunk = max(self._chunk_tokens, 1.0)
-        mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True)
+        mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
+                                context=decode.context + round(chunk))
         return max(self.costs.device(mixed) - self.costs.device(decode), 0.0) / chunk
 
     def _adaptive(self, plan: SchedulePlan) -> np.ndarray:
@@ -175,13 +177,13 @@ class Speculation:
             held.steps -= 1
             drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
             return drafts
-        num_rows = len(plan.rows)
+        num_rows, context = len(plan.rows), _context(plan)
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
 
         def decode_load(depth: int) -> StepLoad:
             window = np.maximum(np.minimum(caps_e, depth), floors) + 1
-            return StepLoad(int(window.sum()), num_rows, depth, False)
+            return StepLoad(int(window.sum()), num_rows, depth, False, context=context)
 
         def work(depth: int) -> float:
             """Device seconds of a decode step of these rows at this depth, plus the prompts' share: each
@@ -213,6 +215,12 @@ class Speculation:
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
         return self.max_drafts if cap is None else min(cap, self.max_drafts)
+
+
+def _context(plan: SchedulePlan) -> int:
+    """`StepLoad.context`: the KV length each row attends at the end of its tokens, summed."""
+    return sum((row.start_pos if row.is_prefill else row.request.num_kv_tokens) + row.num_tokens
+               for row in plan.rows)
 
 
 @dataclasses.dataclass

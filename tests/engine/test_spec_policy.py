@@ -150,6 +150,28 @@ def test_a_settled_curve_keeps_the_quiet_device_time_through_bursts_and_learns_n
     assert curve(16) == pytest.approx(2e-3)
 
 
+def test_the_profile_learns_what_attention_costs_per_position_and_charges_it_to_each_depth():
+    """A device where each attended position costs the target pass 0.4 us and each depth 0.1 us, profiled
+    at contexts of 32 and 384 positions a row: the slopes are recovered, the curves keep the cost at no
+    context, and a deeper step costs more per position than a shallow one."""
+    costs = StepCosts()
+    for rows in (1, 4, 16):
+        for depth in range(K + 1):
+            n = rows * (depth + 1)
+            for ctx in (32, 384):
+                for noise in (1.0, 1.1, 1.3):  # NOTE: other work on the host only ever adds time
+                    c = rows * ctx
+                    target, per_depth = (1e-3 + 0.1e-3 * n + 0.4e-6 * c) * noise, (0.3e-3 + 0.1e-6 * c) * noise
+                    costs.observe(StepLoad(n, rows, depth, False, rows, c), 0.0,
+                                  StepTiming(target, depth * per_depth))
+    costs.freeze()
+    assert costs.per_context_target == pytest.approx(0.4e-6, rel=0.15)
+    assert costs.per_context_depth == pytest.approx(0.1e-6, rel=0.15)
+    assert costs.decode(16) == pytest.approx(1e-3 + 1.6e-3, rel=0.15)
+    short, long = (StepLoad(16, 4, 3, False, 4, 4 * ctx) for ctx in (32, 1024))
+    assert costs.device(long) - costs.device(short) == pytest.approx((0.4e-6 + 3 * 0.1e-6) * 4 * 992, rel=0.15)
+
+
 def test_each_slot_learns_from_its_own_windows_and_a_new_request_starts_from_the_prior():
     table, prior = SlotAcceptance(num_slots=4, max_drafts=K, decay=0.9), np.full(K, 0.7)
     for _ in range(50):  # slot 0 accepts every draft, slot 1 none (so only its depth 1 is ever tried)
@@ -311,3 +333,4 @@ def test_what_serving_adds_is_kept_per_emitting_rows():
     for _ in range(ServingExtra.MIN_SAMPLES):
         extra.observe(4, 2e-3, 1.5e-3)
     assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
+
