@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,11 +139,12 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     depths = list(range(spec.max_drafts + 1))
     params = SamplingParams(temperature=0.0, max_tokens=num_windows * (spec.max_drafts + 1) * len(depths),
                             ignore_eos=True)
+    serial = itertools.count()  # NOTE: every prompt its own, or the prefix cache would shorten the prefills
     for round_ in range(passes):
         for batch, length in loads if round_ % 2 == 0 else reversed(loads):
             ids = [-2 - i for i in range(batch)]
-            for i, request_id in enumerate(ids):
-                prompt = tuple((7 * j + 131 * i + 997 * round_) % (vocab - 1) + 1 for j in range(length))
+            for request_id, n in zip(ids, serial):
+                prompt = tuple((7 * j + 131 * n) % (vocab - 1) + 1 for j in range(length))
                 core.add_request(EngineRequest(request_id, prompt, params))
             for drafts in depths if round_ % 2 == 0 else reversed(depths):
                 spec.forced = drafts

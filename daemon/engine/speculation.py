@@ -47,9 +47,7 @@ class Speculation:
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
-        self._prompt_tokens = 0.0  # prompt tokens a finished request had prefilled, recently
-        self._output_tokens = 0.0  # tokens a finished request emitted, recently
-        self._chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
+        self._forget_traffic()
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -68,10 +66,21 @@ class Speculation:
         return drafts
 
     def forget_acceptance(self) -> None:
-        """Keep the step costs, drop what was learnt of acceptance (after the start-up profile)."""
+        """Keep the step costs, drop what was learnt of acceptance and of the traffic (after the start-up
+        profile: its prompts are not clients')."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
         self.requests.reset(np.arange(self.requests.tried.shape[0]))
         self.rows_by_drafts[:] = 0
+        self._forget_traffic()
+
+    def _forget_traffic(self) -> None:
+        # NOTE: running means that start at their first sample: one starting at 0 charged the first
+        # requests' prompts at ~10x a prompt token's cost (a 256-token chunk counted as 13)
+        self._prompt_tokens = 0.0  # prompt tokens a finished request had prefilled, recently
+        self._output_tokens = 0.0  # tokens a finished request emitted, recently
+        self._num_finished = 0
+        self._chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
+        self._num_chunks = 0
 
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
         """What the cost model knows of the step `plan` launches with `drafts`."""
@@ -93,8 +102,10 @@ class Speculation:
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
-        self._prompt_tokens += REQUEST_WEIGHT * (prompt_tokens - self._prompt_tokens)
-        self._output_tokens += REQUEST_WEIGHT * (output_tokens - self._output_tokens)
+        self._num_finished += 1
+        weight = max(1.0 / self._num_finished, REQUEST_WEIGHT)
+        self._prompt_tokens += weight * (prompt_tokens - self._prompt_tokens)
+        self._output_tokens += weight * (output_tokens - self._output_tokens)
 
     def observe_windows(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray,
                         complete: np.ndarray) -> None:
@@ -121,7 +132,8 @@ class Speculation:
         step's chunk, so one large prompt does not flip the depth, and leave gaps, for a step)."""
         prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
         if prefill:
-            self._chunk_tokens += LOAD_WEIGHT * (prefill - self._chunk_tokens)
+            self._num_chunks += 1
+            self._chunk_tokens += max(1.0 / self._num_chunks, LOAD_WEIGHT) * (prefill - self._chunk_tokens)
 
     def _prefill_per_token(self) -> float:
         """Prompt tokens prefilled per token emitted, over recently finished requests.

@@ -334,3 +334,16 @@ def test_what_serving_adds_is_kept_per_emitting_rows():
         extra.observe(4, 2e-3, 1.5e-3)
     assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
 
+
+
+def test_the_traffic_means_start_at_their_first_sample_and_the_profile_leaves_none():
+    """A first request of a 256-token prompt and 128 tokens out is the traffic at once (a mean starting at
+    0 took ~20 requests to reach it, charging early prompts ~10x); the start-up profile's own prompts are
+    then forgotten."""
+    spec = Speculation(K, adaptive=True, num_slots=4)
+    prompt = Request(EngineRequest(0, tuple(range(1, 257)), SamplingParams(temperature=0.0)), 0, 0)
+    spec.choose(SchedulePlan((ScheduledRow(prompt, 0, 0, True, 256, 0, True),), (), (), ()))
+    spec.observe_finished(256, 128)
+    assert spec._chunk_tokens == 256 and spec._prefill_per_token() == 2.0
+    spec.forget_acceptance()
+    assert spec._chunk_tokens == 0 and spec._prefill_per_token() == 0.0
