@@ -94,11 +94,13 @@ class SlotAcceptance:
     def __init__(self, num_slots: int, max_drafts: int, decay: float) -> None:
         self.tried = np.zeros((num_slots, max_drafts))  # [S, K]
         self.accepted = np.zeros((num_slots, max_drafts))
+        self.hopeful = np.zeros(num_slots, bool)  # [S] the request's prior is at least the first prior
         self.decay = decay  # per window of the slot's request
 
-    def reset(self, slots: np.ndarray) -> None:
+    def reset(self, slots: np.ndarray, hopeful: np.ndarray | bool = False) -> None:
         self.tried[slots] = 0.0
         self.accepted[slots] = 0.0
+        self.hopeful[slots] = hopeful
 
     def observe(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's windows [R] of distinct slots, each of at least one draft."""
@@ -112,4 +114,5 @@ class SlotAcceptance:
     def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance per depth of these slots' requests."""
         weight = DepthAcceptance.PRIOR_WEIGHT
+        prior = np.where(self.hopeful[slots, None], np.maximum(prior, DepthAcceptance.FIRST_PRIOR), prior)
         return (self.accepted[slots] + weight * prior) / (self.tried[slots] + weight)

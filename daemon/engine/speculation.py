@@ -28,9 +28,13 @@ SWITCH_MARGIN = 0.05
 HOLD_STEPS = 8  # steps a decision holds while the rows that emit stay as many
 LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
 REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
-# NOTE: while nothing drafts, nothing teaches the instance's acceptance; fading it back towards the
-# first prior (half-life ~700 steps) makes the policy try drafting again after a low-acceptance spell.
-FADE = 0.999
+# NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in HOPEFUL
+# starts from at least the first prior (when it drafts alone, its windows teach the instance again), and
+# the instance's evidence fades back towards the first prior (half-life ~7,000 steps that draft nothing:
+# under a load too heavy for one hopeful row to make a step draft). A fade of ~700 steps had every new
+# request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
+HOPEFUL = 8
+FADE = 0.9999
 
 
 class Speculation:
@@ -44,6 +48,7 @@ class Speculation:
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
         self._held: _Hold | None = None  # the last decision, while it holds
+        self._admitted = 0  # requests that took a slot
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -164,7 +169,10 @@ class Speculation:
             held.steps -= 1
             return held.drafts
         if plan.inserts:
-            self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64))
+            serial = self._admitted + np.arange(len(plan.inserts))
+            self._admitted += len(plan.inserts)
+            self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64),
+                                hopeful=serial % HOPEFUL == 0)
         drafts = self._policy(plan, self._caps(plan))
         if self._held is not None:
             self._held.key, self._held.drafts = key, drafts

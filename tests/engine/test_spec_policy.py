@@ -10,7 +10,7 @@ from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_draft
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance
-from mtpserve.engine.speculation import Speculation
+from mtpserve.engine.speculation import HOPEFUL, Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
 
@@ -280,10 +280,26 @@ def test_after_a_spell_of_no_drafting_the_instance_tries_again():
     assert spec.instance.rates()[0] < 0.05
     plan = SchedulePlan((decode_row(0),), (), (), ())
     assert spec.choose(plan).tolist() == [0]
-    for _ in range(20_000):
+    for _ in range(60_000):
         if spec.choose(plan).tolist() != [0]:
             break
     assert spec.choose(plan)[0] > 0 and spec.instance.rates()[0] > 0.3
+
+
+def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_the_instance():
+    """Where drafts are rarely accepted, new requests do not draft, but one in HOPEFUL starts from the first
+    prior (alone, it drafts, and its windows tell the instance whether acceptance came back)."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
+    for _ in range(300):
+        spec.instance.observe(np.array([K]), np.array([0]))
+    drafted = []
+    for i in range(2 * HOPEFUL):
+        row = decode_row(i % 4)
+        row.request.slot = row.slot
+        spec.choose(SchedulePlan((row,), (row.request,), (), ()))
+        drafted.append(int(row.request.num_drafts > 0))
+    assert sum(drafted) == 2 and drafted[0] == 1
 
 
 def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
