@@ -7,8 +7,9 @@ wide as the widest), so the policy decides in two parts:
 
 1. the step's depth D in 0..K: the one whose expected tokens per second is best,
    sum_r E_r(min(D, cap_r)) / period(D), with period(D) from the measured step costs (spec_cost.py) of
-   the load these rows make at D; one other than the depth in use must beat it by a margin, since every
-   change leaves gaps in some MTP KV and noise must not flip it;
+   the load these rows make at D; a deeper one than the depth in use must beat it by a margin, since
+   going deeper leaves gaps in the new depths' MTP KV and noise must not flip it (a shallower one leaves
+   none, and is taken as soon as it is the best);
 2. each row's drafts k_r <= min(D, cap_r): draft j is worth its window slot when the chance that it is
    reached and accepted, prod_{i<=j} a_i, exceeds what the slot costs in tokens: the step's rate times
    the seconds one more window token adds. A request whose drafts are rarely accepted drafts less.
@@ -35,15 +36,15 @@ def reach(acceptance: np.ndarray) -> np.ndarray:
 def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period: Callable[[int], float],
                  current: int, margin: float) -> int:
     """The step's depth. gain: [B, K+1] expected tokens per k; caps, floors: [B]; period(depth): seconds of
-    a step of these rows at that depth. The best depth by expected tokens per second, unless the depth in
-    use is within `margin` of it."""
+    a step of these rows at that depth. The best depth by expected tokens per second, unless it is deeper
+    than the depth in use and the depth in use is within `margin` of it."""
     rows, max_depth = np.arange(gain.shape[0]), gain.shape[1] - 1
     rates = {}
     for depth in range(int(floors.max(initial=0)), max_depth + 1):
         drafts = np.maximum(np.minimum(caps, depth), floors)
         rates[depth] = float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
     best = max(rates, key=rates.__getitem__)
-    if current in rates and rates[best] < rates[current] * (1 + margin):
+    if current in rates and best > current and rates[best] < rates[current] * (1 + margin):
         return current
     return best
 

@@ -259,12 +259,17 @@ def test_prompts_that_run_every_depth_make_drafting_dearer():
     assert steady(periods, rows=16, acceptance=0.8, prefill_per_token=2.0) == 0
 
 
-def test_the_depth_in_use_is_kept_unless_another_is_clearly_better():
+def test_the_depth_in_use_is_kept_unless_a_deeper_one_is_clearly_better_or_a_shallower_one_is_best():
+    """Going deeper leaves gaps in the new depths' MTP KV, so it needs a margin; going shallower does not."""
     gain = expected_tokens(rates(0.85))
     near = {0: 4.0, 1: 4.0 * gain[0, 1] / 1.02, 2: 20.0, 3: 30.0}  # depth 1 about 2% better than depth 0
     choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), near.__getitem__,  # noqa: E731
                                           current, margin=0.05)
     assert choose(0) == 0 and choose(1) == 1 and choose(3) == 1
+    shallower = {**near, 1: 4.0 * gain[0, 1] * 1.02}  # depth 0 about 2% better than depth 1
+    choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), shallower.__getitem__,  # noqa: E731
+                                          current, margin=0.05)
+    assert choose(1) == 0 and choose(0) == 0
     clear = {**near, 1: 4.0 * gain[0, 1] * 0.9}  # depth 1 about 10% better than depth 0
     choose = lambda current: choose_depth(gain, caps(1), np.zeros(1, np.int64), clear.__getitem__,  # noqa: E731
                                           current, margin=0.05)
