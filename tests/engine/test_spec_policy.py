@@ -305,6 +305,11 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
         spec.choose(SchedulePlan((row,), (row.request,), (), ()))
         drafted.append(int(row.request.num_drafts > 0))
     assert sum(drafted) == 2 and drafted[0] == 1
+    table = spec.requests  # the hopeful request's own windows soon outweigh its hope
+    table.reset(np.array([0]), hopeful=True)
+    for _ in range(3):
+        table.observe(np.array([0]), np.array([K]), np.array([0]))
+    assert table.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.2
 
 
 def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
