@@ -90,7 +90,7 @@ class SlotAcceptance:
     """Each running request's estimate, as DepthAcceptance's, in one table by device slot: a step reads
     and updates all its rows in one numpy operation (per-request objects cost ~5 us a row a step, the
     policy's largest part at 64 rows). A request taking a slot starts from its prior alone; a hopeful
-    one from at least the first prior, which counts for a single window."""
+    one from at least the first prior at depth 1, which counts for a single window."""
 
     HOPE_WEIGHT = 1.0
 
@@ -116,10 +116,11 @@ class SlotAcceptance:
 
     def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance per depth of these slots' requests."""
-        hopeful = self.hopeful[slots, None]
-        # NOTE: a hope counts for one window: at four, ten windows of nothing accepted (all a decay of 0.9
-        # keeps) still left 0.2 at depth 1 and the first prior's 0.7 deeper, and a hopeful request at one
-        # stream drafted all its life where nothing was accepted
+        # NOTE: a hope is for the first depth only (the cheapest try: a depth-1 window is accepted or
+        # not before any deeper draft is worth trying) and counts for one window: at four, ten windows of
+        # nothing accepted (all a decay of 0.9 keeps) still left 0.2 at depth 1 and the first prior's 0.7
+        # deeper, and a hopeful request at one stream drafted all its life where nothing was accepted
+        hopeful = self.hopeful[slots, None] & (np.arange(self.tried.shape[1]) == 0)
         weight = np.where(hopeful, self.HOPE_WEIGHT, DepthAcceptance.PRIOR_WEIGHT)
         prior = np.where(hopeful, np.maximum(prior, DepthAcceptance.FIRST_PRIOR), prior)
         return (self.accepted[slots] + weight * prior) / (self.tried[slots] + weight)
