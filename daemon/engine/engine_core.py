@@ -175,7 +175,7 @@ class EngineCore(Generic[R]):
         num_drafts = np.array([row.num_tokens - 1 for row in rows], np.int64)
         num_accepted = result.num_accepted[verified]
         self.acceptance.observe(num_accepted, num_drafts)
-        if rows:
+        if rows and self.speculation.adaptive:
             self.speculation.observe_windows(np.array([row.slot for row in rows], np.int64), num_drafts,
                                              num_accepted, np.array([row.request.mtp_depth for row in rows]))
         return out.build(result.step_id)

@@ -133,16 +133,18 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     config, vocab = core.config.scheduler, core.runner.vocab_size
     sizes = sorted({min(b, config.max_num_seqs) for b in batches})
     # NOTE: half the model's length and of each long row's share of the KV cache, so nothing is preempted
-    room = config.num_blocks * config.block_size // (2 * max(b for b in sizes if b <= long_batches))
+    room = config.num_blocks * config.block_size // (2 * max((b for b in sizes if b <= long_batches), default=1))
     lengths = [max(min(n, room, config.max_model_len // 2 or n), 1) for n in contexts]
     loads = [(batch, length) for length in lengths for batch in sizes if length == lengths[0] or batch <= long_batches]
     depths = list(range(spec.max_drafts + 1))
-    params = SamplingParams(temperature=0.0, max_tokens=num_windows * (spec.max_drafts + 1) * len(depths),
-                            ignore_eos=True)
+    wanted = num_windows * (spec.max_drafts + 1) * len(depths)
     serial = itertools.count()  # NOTE: every prompt its own, or the prefix cache would shorten the prefills
     for round_ in range(passes):
         for batch, length in loads if round_ % 2 == 0 else reversed(loads):
             ids = [-2 - i for i in range(batch)]
+            # NOTE: within the model's length (a request longer than it is refused)
+            params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                    max_tokens=max(min(wanted, (config.max_model_len or wanted + length) - length), 1))
             for request_id, n in zip(ids, serial):
                 prompt = tuple((7 * j + 131 * n) % (vocab - 1) + 1 for j in range(length))
                 core.add_request(EngineRequest(request_id, prompt, params))

@@ -92,8 +92,9 @@ class Speculation:
         """What the cost model knows of the step `plan` launches with `drafts`."""
         has_prefill = any(row.is_prefill for row in plan.rows)
         emitting = sum(row.emits for row in plan.rows)
+        # NOTE: only the policy reads the context (a fixed k would walk every row for nothing)
         return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
-                        _context(plan))
+                        _context(plan) if self.adaptive else 0)
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, the device thread's times."""

@@ -113,3 +113,18 @@ def test_after_the_start_up_profile_the_engine_serves_and_reports_its_stats():
     assert type(stats.spec_predicted_seconds) is float
     msgspec.msgpack.encode(stats)
     core.close()
+
+
+def test_the_start_up_profile_fits_a_short_model_length():
+    """A model length shorter than the profile's prompts and windows: the profile's requests fit in it (one
+    refused would kill the rank before it is ready)."""
+    from mtpserve.engine.rank_setup import profile_steps
+
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=16, num_speculative_tokens=K,
+                            num_blocks=256, block_size=8, max_model_len=100)
+    runner = PaddleModelRunner(drafty_model(scale=0.5, **PACKED),
+                               ModelRunnerConfig(max_num_seqs=8, num_blocks=256, block_size=8, num_speculative_tokens=K))
+    core = EngineCore(CoreConfig(sched, adaptive_speculation=True), runner)
+    profile_steps(core, batches=(1, 4), num_windows=4)
+    assert core.speculation.costs.frozen and not core.has_unfinished_requests()
+    core.close()
