@@ -21,3 +21,47 @@ def test_the_comparison_plots_every_label(tmp_path):
               for c in (1, 4, 16)}
     path = plot_launched(comparison(levels, ["k0", "k2"]), tmp_path / "launched.png")
     assert path is not None and (tmp_path / "launched.png").stat().st_size > 10_000
+
+
+def _serve_args(*extra: str):
+    import argparse
+
+    from mtpserve.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
+                              "--no-progress", *extra])
+
+
+def test_a_level_sends_at_least_its_prompts_per_stream_and_the_same_first_prompts():
+    from mtpserve.bench import serve
+
+    args = _serve_args("--concurrency", "1", "4", "--prompts-per-stream", "3")
+    prompts = serve.make_dataset(args)
+    assert [serve.level_prompts(args, c) for c in (1, 4)] == [6, 12]
+    assert len(prompts) == 12
+    assert prompts[:6] == serve.make_dataset(_serve_args("--concurrency", "1", "4"))  # a level's prefix of them
+
+
+async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compares_medians():
+    import subprocess
+
+    from aiohttp.test_utils import TestServer
+    from bench_fake_server import MODEL, fake_app
+
+    from mtpserve.bench import serve
+    from mtpserve.bench.serve_launch import Instance
+
+    args = _serve_args("--step-load", "1", "2", "--step-period", "0.1", "--duration", "0.3", "--rounds", "2")
+    done = subprocess.Popen(["true"])  # the servers are in this process; an instance's process is only kept
+    done.wait()
+    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
+        instances = [Instance(label, str(server.make_url("")).rstrip("/"), done, label)
+                     for label, server in (("a", a), ("b", b))]
+        async with serve._session(args) as session:
+            report = await serve._step_load_all(session, args, MODEL, instances)
+    assert [(r["label"], r["round"]) for r in report["runs"]] == [("a", 1), ("b", 1), ("b", 2), ("a", 2)]
+    assert all(r["summary"]["completed"] > 0 and r["summary"]["failed"] == 0 for r in report["runs"])
+    rows = {r["label"]: r for r in report["comparison"]}
+    assert len(rows["a"]["rounds"]) == 2 and rows["a"]["concurrency"] == 2

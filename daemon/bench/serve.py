@@ -47,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "request one of them at random plus its own user turn of --input-len tokens "
                    "(serve_shared_prefix.py)")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompts-per-stream", type=int, default=0,
+                   help="each level sends at least this many prompts per stream (with 96 prompts, a level of 64 "
+                   "streams is over in seconds, and its ramp and tail weigh as much as its steady state)")
     p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens (shared-prefix: the "
                    "user turn's)")
     p.add_argument("--num-prefixes", type=int, default=16, help="shared-prefix: distinct system prompts")
@@ -136,13 +139,19 @@ async def run_launched(args: argparse.Namespace) -> dict:
 
 async def _step_load_all(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
                          instances: list[Instance]) -> dict:
-    runs = []
-    for instance in instances:
-        report = await _step_load(session, _at(args, instance.url), model)
-        print(format_step_load(instance.label, report), flush=True)
-        runs.append({"label": instance.label, "summary": report})
+    runs: list[dict] = []
+    visits: dict[str, list[dict]] = {}
+    for round_ in range(args.rounds):
+        # NOTE: each round starts with the next instance, as the levels' visits do
+        for instance in instances[round_ % len(instances):] + instances[:round_ % len(instances)]:
+            report = await _step_load(session, _at(args, instance.url), model)
+            print(format_step_load(f"{instance.label} round {round_ + 1}", report), flush=True)
+            runs.append({"label": instance.label, "round": round_ + 1, "summary": report})
+            visits.setdefault(instance.label, []).append(report)
+    table = comparison({args.step_load[1]: visits}, [instance.label for instance in instances])
+    print(format_comparison(table), flush=True)
     return {"benchmark": "serve-step-load", "launch": args.launch, "model": model, "config": _config(args),
-            "runs": runs, "plots": []}
+            "runs": runs, "comparison": table, "plots": []}
 
 
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
@@ -184,7 +193,7 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    keep = ("endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio", "concurrency",
+    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "input_len", "output_len", "range_ratio", "concurrency",
             "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
             "duration")
     shared = ("num_prefixes", "prefix_len") if args.dataset == "shared-prefix" else ()
@@ -199,7 +208,7 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
                     prompts: Sequence[Prompt], concurrency: int) -> dict:
-    url, bodies = _url(args), [request_body(args, model, p) for p in prompts]
+    url, bodies = _url(args), [request_body(args, model, p) for p in prompts[:level_prompts(args, concurrency)]]
     await asyncio.gather(*(send_request(session, url, b) for b in bodies[:args.warmup]))
     await asyncio.sleep(args.settle)
     before, cpu_before = await _scrape(session, args.base_url), process_cpu_s(args.server_pid)
@@ -299,15 +308,22 @@ def _length(base: int, ratio: float, key: str) -> int:
     return max(1, round(base * rng.uniform(1 - ratio, 1 + ratio)))
 
 
+def level_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    """How many prompts a level of `concurrency` streams sends: the first ones of make_dataset's."""
+    return max(args.num_prompts, args.prompts_per_stream * concurrency)
+
+
 def make_dataset(args: argparse.Namespace) -> list[Prompt]:
-    """The requests' prompts, in sending order (make_prompts, or the shared-prefix dataset)."""
+    """The requests' prompts, in sending order (make_prompts, or the shared-prefix dataset), enough for
+    the largest level."""
+    count = max(level_prompts(args, c) for c in args.concurrency)
     if args.dataset != "shared-prefix":
-        return list(make_prompts(args))
+        return list(make_prompts(args, count))
     return list(shared_prefix_prompts(args.seed, args.num_prefixes, args.prefix_len, args.input_len,
-                                      args.num_prompts, load_tokenizer(args.tokenizer)))
+                                      count, load_tokenizer(args.tokenizer)))
 
 
-def make_prompts(args: argparse.Namespace) -> list[str]:
+def make_prompts(args: argparse.Namespace, count: int | None = None) -> list[str]:
     rng = random.Random(args.seed)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     lines = [ln for f in rng.sample(files, min(40, len(files))) for ln in f.read_text(errors="replace").splitlines()]
@@ -315,7 +331,7 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
     make = _code_prompt if args.dataset == "code" else _random_prompt
     return [make(rng, lines if args.dataset == "code" else words,
                  round(_length(args.input_len, args.range_ratio, str(i)) * CHARS_PER_TOKEN))
-            for i in range(args.num_prompts)]
+            for i in range(args.num_prompts if count is None else count)]
 
 
 def _code_prompt(rng: random.Random, lines: list[str], num_chars: int) -> str:
