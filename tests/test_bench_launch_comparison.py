@@ -12,15 +12,25 @@ def test_the_comparison_uses_each_labels_median_round():
     assert rows["adaptive"]["ratio_to_first"] == 1050.0 / 1100.0
     assert rows["k0"]["ratio_to_best_other"] == 1100.0 / 1050.0
     assert rows["adaptive"]["rounds"] == [900.0, 2000.0, 1050.0]
+    # paired: the median of the rounds' own ratios (0.9, 1.67, 0.95), so the drift of a round cancels
+    assert rows["adaptive"]["paired_to_best_other"] == 1050.0 / 1100.0
+    assert rows["k0"]["paired_to_best_other"] == 1100.0 / 1050.0
 
 
-def test_the_comparison_plots_every_label(tmp_path):
-    from mtpserve.bench.serve_report import plot_launched
+def test_the_paired_ratio_cancels_the_drift_that_two_medians_keep():
+    import random
 
-    levels = {c: {label: [{"output_throughput": c * f * r} for r in (0.9, 1.1)] for label, f in (("k0", 1.0), ("k2", 1.2))}
-              for c in (1, 4, 16)}
-    path = plot_launched(comparison(levels, ["k0", "k2"]), tmp_path / "launched.png")
-    assert path is not None and (tmp_path / "launched.png").stat().st_size > 10_000
+    rng, errors = random.Random(0), {"medians": [], "paired": []}
+    for _ in range(200):
+        drift = [rng.lognormvariate(0, 0.1) for _ in range(5)]  # the host's speed round by round, shared
+        k2 = [1000.0 * d * rng.lognormvariate(0, 0.02) for d in drift]
+        adaptive = [980.0 * d * rng.lognormvariate(0, 0.02) for d in drift]  # truly 0.98 of k2
+        levels = {1: {"k2": [{"output_throughput": v} for v in k2],
+                      "adaptive": [{"output_throughput": v} for v in adaptive]}}
+        row = next(r for r in comparison(levels, ["k2", "adaptive"]) if r["label"] == "adaptive")
+        errors["medians"].append(abs(row["ratio_to_best_other"] - 0.98))
+        errors["paired"].append(abs(row["paired_to_best_other"] - 0.98))
+    assert sum(errors["paired"]) < 0.8 * sum(errors["medians"])  # 0.68 with this seed
 
 
 def _serve_args(*extra: str):
