@@ -75,3 +75,18 @@ async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compar
     assert all(r["summary"]["completed"] > 0 and r["summary"]["failed"] == 0 for r in report["runs"])
     rows = {r["label"]: r for r in report["comparison"]}
     assert len(rows["a"]["rounds"]) == 2 and rows["a"]["concurrency"] == 2
+
+
+def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
+    from mtpserve.bench.serve_client import RequestResult
+    from mtpserve.bench.serve_step_load import phase_throughput
+
+    def result(start: float, gaps: list[float], tokens: int) -> RequestResult:
+        return RequestResult(True, "", start, 0.5, 0.5 + sum(gaps), gaps, 10, tokens, len(gaps) + 1, None)
+
+    # 100 s from t=1000 in phases of 10 s: LOW from 1000, HIGH from 1010, ...
+    quiet = result(1000.0, [1.0] * 3, 40)  # four chunks at 1000.5-1003.5: LOW
+    crossing = result(1008.0, [1.0] * 3, 40)  # 1008.5, 1009.5 in LOW; 1010.5, 1011.5 in HIGH
+    phases = phase_throughput([quiet, crossing], 100.0, 1000.0, 10.0)
+    assert phases["low"] == (40 + 20) / 50.0
+    assert phases["high"] == 20 / 50.0

@@ -165,7 +165,8 @@ def plot_compare(reports: dict[str, dict], path: Path) -> str | None:
 
 def plot_launched(rows: list[dict], path: Path) -> str | None:
     """`bench serve --launch`'s comparison (serve_launch.comparison rows): each label's median output tok/s
-    against concurrency, its visits as dots, and its ratio to the best other label."""
+    against concurrency, its visits as dots, and its ratio to the best other label: of the medians (solid)
+    and paired by round (dashed)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -178,10 +179,14 @@ def plot_launched(rows: list[dict], path: Path) -> str | None:
         for r in mine:
             left.plot([r["concurrency"]] * len(r["rounds"]), r["rounds"], ".", color=color, alpha=0.4)
         right.plot(xs, [r["ratio_to_best_other"] for r in mine], "o-", color=color, label=label)
+        paired = [r.get("paired_to_best_other") for r in mine]  # absent from reports older than it
+        if all(p is not None for p in paired):
+            right.plot(xs, paired, "x--", color=color, alpha=0.6)
     right.axhline(1.0, color="grey", lw=0.8)
     right.axhline(0.95, color="grey", lw=0.8, ls=":")
     left.set(xscale="log", xlabel="concurrency", ylabel="output tokens / s (median of visits)", title="throughput")
-    right.set(xscale="log", xlabel="concurrency", ylabel="/ best other label", title="ratio to the best other")
+    right.set(xscale="log", xlabel="concurrency", ylabel="/ best other label",
+              title="ratio to the best other (medians; dashed: paired by round)")
     levels = sorted({r["concurrency"] for r in rows})
     for ax in (left, right):
         ax.set_xticks(levels, [str(c) for c in levels])
