@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import paddle
+
 from mtpserve.config import EngineConfig, SpeculativeConfig
 from mtpserve.engine import prefix_cache
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
@@ -44,7 +46,8 @@ def core_config(model: ServingModel, engine: EngineConfig, runner: ModelRunnerCo
                                                          runner.block_size))
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())
     return CoreConfig(sched, overlap=engine.enable_overlap, eos_token_ids=eos, seed=engine.seed,
-                      adaptive_speculation=speculative.adaptive)
+                      adaptive_speculation=speculative.adaptive,
+                      serving_shares_device=paddle.device.get_device().startswith("cpu"))
 
 
 def runner_config(model: ServingModel, engine: EngineConfig, speculative: SpeculativeConfig) -> ModelRunnerConfig:
