@@ -1,6 +1,6 @@
 """The request channel: HTTP process <-> rank 0, over a Unix domain stream socket.
 
-HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`, `ResetPrefixCache`, `ServingCost`.  Engine -> HTTP:
+HTTP -> engine: `AddRequest`, `AbortRequest`, `ReleaseKV`, `ResetPrefixCache`.  Engine -> HTTP:
 `EngineReady`, `EngineStats`, `RequestFailed`, `KVHeld`, `PrefixHits`, `PrefixCacheReset` (ReleaseKV and
 KVHeld only under PD: docs/pd.md).
 Generated tokens do NOT travel here: they use the output path (ipc/ frames over message queues).
@@ -90,14 +90,6 @@ class ResetPrefixCache(msgspec.Struct, frozen=True, tag=True):
     no longer matched. The engine answers with PrefixCacheReset carrying the same `token`."""
 
     token: int
-
-
-class ServingCost(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """What the HTTP process spent per token it streamed over its last interval (CPU seconds, every
-    thread): the speculation policy charges each emitted token this much when the two share the device's
-    cores (docs/speculation.md). Sent about once a second while tokens stream."""
-
-    cpu_seconds_per_token: float
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
@@ -190,7 +182,7 @@ class KVHeld(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     lease_expires_in: float  # seconds
 
 
-ToEngine = Union[AddRequest, AbortRequest, ReleaseKV, ResetPrefixCache, ServingCost]
+ToEngine = Union[AddRequest, AbortRequest, ReleaseKV, ResetPrefixCache]
 ToHttp = Union[EngineReady, EngineStats, RequestFailed, KVHeld, PrefixHits, PrefixCacheReset]
 
 

@@ -38,9 +38,6 @@ class CoreConfig:
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # draws the seeds of requests that bring none
     adaptive_speculation: bool = True  # the policy picks each row's drafts; off: every row drafts k
-    # NOTE: the HTTP process computes on the device's cores (a CPU device): its CPU per streamed token
-    # (ServingCost) lengthens a step by as much, so the policy charges it per emitted token
-    serving_shares_device: bool = True
 
 
 class Launched(NamedTuple):
@@ -124,11 +121,6 @@ class EngineCore(Generic[R]):
         """Unfinished work other than requests the KV connector still holds (e.g. KV reads)."""
         return bool(self.scheduler.num_unfinished or self._inflight or self._aborted)
 
-    def observe_serving_cost(self, cpu_seconds_per_token: float) -> None:
-        """The HTTP process's CPU per token it streamed, lately (ServingCost)."""
-        if self.config.serving_shares_device:
-            self.speculation.observe_serving_cost(cpu_seconds_per_token)
-
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepEmission:
@@ -163,8 +155,7 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        self.speculation.observe(launched.shape, self._period(launched), result.timing,
-                                 int(result.num_emitted.sum()))
+        self.speculation.observe(launched.shape, self._period(launched), result.timing)
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:

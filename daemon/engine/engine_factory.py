@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import paddle
-
 from mtpserve.config import EngineConfig, SpeculativeConfig
 from mtpserve.engine import prefix_cache
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
@@ -46,8 +44,7 @@ def core_config(model: ServingModel, engine: EngineConfig, runner: ModelRunnerCo
                                                          runner.block_size))
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())
     return CoreConfig(sched, overlap=engine.enable_overlap, eos_token_ids=eos, seed=engine.seed,
-                      adaptive_speculation=speculative.adaptive,
-                      serving_shares_device=paddle.device.get_device().startswith("cpu"))
+                      adaptive_speculation=speculative.adaptive)
 
 
 def runner_config(model: ServingModel, engine: EngineConfig, speculative: SpeculativeConfig) -> ModelRunnerConfig:

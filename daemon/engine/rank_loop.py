@@ -108,8 +108,6 @@ class RankLoop:
                 self.core.connector.release(msg.request_ids)
             elif isinstance(msg, rc.ResetPrefixCache):
                 self.channel.send(rc.PrefixCacheReset(msg.token, self.core.reset_prefix_cache()))
-            elif isinstance(msg, rc.ServingCost):
-                self.core.observe_serving_cost(msg.cpu_seconds_per_token)
             else:
                 self._add(msg)
 

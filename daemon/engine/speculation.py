@@ -36,7 +36,6 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
 HOPEFUL = 16
 FADE = 0.9999
-SERVING_COST_WEIGHT = 0.2  # of a ServingCost figure (one a second): the last ~5 s
 
 
 class Speculation:
@@ -47,7 +46,6 @@ class Speculation:
         self.requests = SlotAcceptance(num_slots, max_drafts, decay=0.9)  # each running request's
         self.costs = StepCosts()
         self.extra = ServingExtra()
-        self.token_seconds = 0.0  # what serving adds to a step per token it emits (ServingCost)
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
         self._held: _Hold | None = None  # the last decision, while it holds
@@ -98,31 +96,16 @@ class Speculation:
         return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
                         _context(plan) if self.adaptive else 0)
 
-    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None, num_emitted: int = 0) -> None:
-        """A finished step: its load, its period, the device thread's times, the tokens it emitted."""
+    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
+        """A finished step: its load, its period, the device thread's times."""
         if seconds <= 0:
             return
-        charged = self.costs.device(load) + self.token_seconds * num_emitted
-        self.predicted_seconds += charged + self.extra.seconds(load.num_emitting)
+        device = self.costs.device(load)
+        self.predicted_seconds += device + self.extra.seconds(load.num_emitting)
         self.measured_seconds += seconds
         self.costs.observe(load, seconds, timing)
         if load.num_emitting:
-            self.extra.observe(load.num_emitting, seconds, charged)
-
-    def observe_serving_cost(self, cpu_seconds_per_token: float) -> None:
-        """The HTTP process's CPU per token it streamed, lately, on the device's cores: each token a step
-        emits lengthens a period by as much.
-
-        NOTE: charged per step, in `ServingExtra`, this cost was the same at every depth: at 64 streams
-        it is ~5 ms of a ~35 ms period on this host (45 us a token, ~120 tokens a step at depth 1), and a
-        deeper depth looked free of it while its extra tokens pay it. Under a stepped load the policy
-        drafted depth 2 for almost every row at 64 streams, where k=1 is ~9% faster than k=2. The
-        figure includes the per-chunk work too (~27 of the 45 us do not grow with a chunk's tokens), so
-        it overcharges depth a little. A running mean: one figure a second, and a burst of prompts
-        moves it."""
-        if cpu_seconds_per_token >= 0:
-            self.token_seconds += SERVING_COST_WEIGHT * (cpu_seconds_per_token - self.token_seconds) \
-                if self.token_seconds else cpu_seconds_per_token
+            self.extra.observe(load.num_emitting, seconds, device)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -235,18 +218,15 @@ class Speculation:
         extra = self.extra.seconds(len(caps_e))
 
         def period(depth: int) -> float:
-            """The device time of this load at this depth, plus what serving adds: per step of these rows
-            (the same whatever the depth), and per token the step emits."""
-            tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            return work(depth) + extra + self.token_seconds * tokens
+            """The device time of this load at this depth, plus what serving adds to a step of these rows
+            (the same whatever the depth)."""
+            return work(depth) + extra
 
         depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
-        # NOTE: a window token costs its device seconds, and each token it is expected to emit costs
-        # `token_seconds`: a draft worth g tokens pays when g > rate x device / (1 - rate x token_seconds)
-        streaming = min(step_rate * self.token_seconds, 0.9)
-        slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth)) / (1.0 - streaming)
+        # NOTE: what serving adds is per step: a window token costs its device seconds
+        slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
         self._held = _Hold(len(caps_e), HOLD_STEPS - 1, depth, slot_cost)
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         return drafts

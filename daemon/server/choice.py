@@ -136,7 +136,6 @@ class ChoiceState:
             self.num_steps += 1
             self.num_generated += len(item.delta.token_ids)
             self._metrics.generation_tokens.inc(len(item.delta.token_ids))
-            self._metrics.num_generation_tokens += len(item.delta.token_ids)
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason

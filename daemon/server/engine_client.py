@@ -35,7 +35,6 @@ from mtpserve.web.errors import ApiError
 from mtpserve.server.health import EngineHealth, EngineState
 from mtpserve.server.metrics import ServerMetrics
 from mtpserve.server.outputs import OutputClosed, OutputSource
-from mtpserve.server.serving_cost import ServingCostMeter
 from mtpserve.server.stop_strings import StopStringMatcher
 from mtpserve.server.tracker import RequestStream, Tracker
 
@@ -65,7 +64,6 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._resets: dict[int, asyncio.Future[int]] = {}  # ResetPrefixCache token -> blocks forgotten
-        self._serving_cost = ServingCostMeter()
 
     def start(self) -> None:
         self.health.ready()
@@ -201,10 +199,6 @@ class EngineClient:
         elif isinstance(msg, EngineStats):
             self._metrics.observe_engine_stats(msg)
             self.health.heard(msg)
-            # NOTE: the engine's heartbeat paces this process's reply: its CPU per token streamed
-            if (cost := self._serving_cost.sample(self._metrics.num_generation_tokens)) is not None:
-                self._metrics.serving_cpu_per_token.set(cost.cpu_seconds_per_token)
-                self._channel.send(cost)
         elif isinstance(msg, RequestFailed):
             self._output.forget_seq(msg.request_id)
             self.tracker.fail(msg.request_id, ApiError(500, f"The engine failed the request: {msg.message}",

@@ -50,10 +50,6 @@ class ServerMetrics:
         m = self._model
         self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(m)
         self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens.").labels(m)
-        self.num_generation_tokens = 0  # the same count, readable (serving_cost.py divides by it)
-        self.serving_cpu_per_token = self._gauge("mtpserve:serving_cpu_seconds_per_token", "This HTTP process's "
-                                                 "CPU per token it streamed, lately (sent to the engine's "
-                                                 "speculation policy).").labels(m)
         self.request_success = self._counter("vllm:request_success", "Finished requests.", ("finished_reason",))
         self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                                     _LATENCY_BUCKETS).labels(m)

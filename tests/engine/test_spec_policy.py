@@ -312,13 +312,10 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
     assert table.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.2
 
 
-def busy_host_depth(added_ms: float, streamed: bool = False) -> tuple[int, Speculation]:
+def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
     """The depth at 64 rows after serving steps that took `added_ms` more than their quiet device time,
-    on the bundled model's profile at 64 rows (acceptance 0.7 per depth); `streamed`: the HTTP process
-    reported that time as its CPU per token streamed (each step emitted 64 tokens)."""
+    on the bundled model's profile at 64 rows (acceptance 0.7 per depth)."""
     spec = Speculation(K, adaptive=True, num_slots=64)
-    if streamed:
-        spec.observe_serving_cost(added_ms * 1e-3 / 64)
     quiet = {64: 6.6, 128: 11.3, 192: 13.5, 256: 20.0}  # ms
     for n, ms in quiet.items():
         for _ in range(Curve.MIN_SAMPLES):
@@ -327,7 +324,7 @@ def busy_host_depth(added_ms: float, streamed: bool = False) -> tuple[int, Specu
     spec.costs.freeze()
     for i in range(200):  # NOTE: steps differ in device time (as prompt chunks come and go)
         n = (64, 128, 192, 256)[i % 4]
-        spec.observe(StepLoad(n, 64, 0, False, 64), (added_ms + quiet[n]) * 1e-3, None, num_emitted=64)
+        spec.observe(StepLoad(n, 64, 0, False, 64), (added_ms + quiet[n]) * 1e-3, None)
     plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
     spec.requests.tried[:] = 100.0
     spec.requests.accepted[:] = 70.0
@@ -347,28 +344,6 @@ def test_host_work_per_step_makes_drafting_pay():
     assert spec.costs.decode(64) == pytest.approx(6.6e-3)  # the profile's curve is kept
     assert busy >= 1
     assert spec.measured_seconds > 0 and spec.predicted_seconds > 0
-
-
-def test_what_streaming_adds_per_token_is_charged_to_the_tokens_a_depth_emits():
-    """The same 11 ms a step, when it is the HTTP process streaming the step's tokens: a deeper depth's
-    extra tokens pay it too, so drafting no longer looks free of it (and what is left per step is ~0)."""
-    per_step, _ = busy_host_depth(11.0)
-    per_token, spec = busy_host_depth(11.0, streamed=True)
-    assert per_step >= 1 and per_token == 0
-    assert spec.token_seconds == pytest.approx(11e-3 / 64)
-    assert spec.extra.seconds(64) == pytest.approx(0.0, abs=1e-4)
-    assert spec.predicted_seconds == pytest.approx(spec.measured_seconds, rel=0.05)
-
-
-def test_the_serving_cost_is_a_running_mean_of_its_figures():
-    spec = Speculation(K, adaptive=True, num_slots=4)
-    spec.observe_serving_cost(40e-6)
-    assert spec.token_seconds == pytest.approx(40e-6)  # the first figure as it is
-    for _ in range(30):
-        spec.observe_serving_cost(60e-6)
-    assert spec.token_seconds == pytest.approx(60e-6, rel=0.01)
-    spec.observe_serving_cost(600e-6)  # one burst moves it a fifth of the way
-    assert spec.token_seconds < 200e-6
 
 
 def test_what_serving_adds_is_kept_per_emitting_rows():

@@ -18,7 +18,6 @@ from mtpserve.ipc.request_channel import (
     RequestChannelServer,
     RequestFailed,
     SamplingParams,
-    ServingCost,
     ToEngine,
     socket_path,
 )
@@ -32,7 +31,6 @@ TO_ENGINE = [
     AddRequest(request_id=2**40 + 5, prompt_token_ids=list(range(1000)), sampling=FULL_SAMPLING, arrival_time=12.5),
     AddRequest(request_id=1, prompt_token_ids=[3], sampling=SamplingParams(max_tokens=1)),
     AbortRequest(request_ids=[1, 2, 3]),
-    ServingCost(cpu_seconds_per_token=4.5e-05),
 ]
 TO_HTTP = [
     EngineReady(model_name="m", max_model_len=4096, vocab_size=32000, eos_token_ids=[2, 5],

@@ -20,7 +20,7 @@ from fake_engine import BLOCK_SIZE, NUM_BLOCKS, FakeEngine, FakeRequest
 from fake_frames import FINISH_CODES, FrameSink, OutputRow, _logprob_arrays
 from mtpserve.ipc import wire
 from mtpserve.ipc.request_channel import (
-    AbortRequest, AddRequest, EngineReady, KVHeld, KVLayout, ReleaseKV, RequestChannelServer, ResetPrefixCache,
+    AddRequest, EngineReady, KVHeld, KVLayout, ReleaseKV, RequestChannelServer, ResetPrefixCache,
 )
 from mtpserve.ipc.wire_encode import encode_token_frame
 
@@ -93,7 +93,7 @@ class PdFakeEngine(FakeEngine):
                     self.held.pop(rid, None)
             elif isinstance(msg, ResetPrefixCache):
                 self.reset_prefix_cache(msg)
-            elif isinstance(msg, AbortRequest):
+            else:
                 for rid in msg.request_ids:
                     self.running.pop(rid, None)
 
