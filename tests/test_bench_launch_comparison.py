@@ -17,6 +17,17 @@ def test_the_comparison_uses_each_labels_median_round():
     assert rows["k0"]["paired_to_best_other"] == 1100.0 / 1050.0
 
 
+def test_the_comparison_plots_every_label(tmp_path):
+    from mtpserve.bench.serve_report import plot_launched
+
+    levels = {c: {label: [{"output_throughput": c * f * r} for r in (0.9, 1.1)] for label, f in (("k0", 1.0), ("k2", 1.2))}
+              for c in (1, 4, 16)}
+    rows = comparison(levels, ["k0", "k2"])
+    assert all(r["paired_to_best_other"] is not None for r in rows)  # drawn dashed beside the medians
+    path = plot_launched(rows, tmp_path / "launched.png")
+    assert path is not None and (tmp_path / "launched.png").stat().st_size > 10_000
+
+
 def test_the_paired_ratio_cancels_the_drift_that_two_medians_keep():
     import random
 

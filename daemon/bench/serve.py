@@ -193,8 +193,8 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "input_len", "output_len", "range_ratio", "concurrency",
-            "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
+    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "input_len", "output_len", "range_ratio",
+            "concurrency", "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
             "duration")
     shared = ("num_prefixes", "prefix_len") if args.dataset == "shared-prefix" else ()
     return {k: getattr(args, k) for k in (*keep, *shared)}
