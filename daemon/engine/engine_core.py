@@ -29,6 +29,7 @@ from mtpserve.engine.spec_cost import StepLoad
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.engine.step_plan import StepPlan, StepResult
+from mtpserve.engine.step_trace import StepTrace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ class EngineCore(Generic[R]):
         self.speculation = Speculation(config.scheduler.num_speculative_tokens,
                                        config.adaptive_speculation and not self.connector.drafts_leave,
                                        config.scheduler.max_num_seqs)
+        self._trace = self.speculation.trace = StepTrace.from_env()  # a debug trace (MTP_STEP_TRACE)
         # NOTE: steps launched and not finished, oldest first; at most `_depth` (2 when overlapping).
         self._inflight: collections.deque[Launched] = collections.deque()
         self._depth = 2 if config.overlap else 1
@@ -155,7 +157,10 @@ class EngineCore(Generic[R]):
         if result is None:
             return self.connector.after_step(out.build(-1))
         launched = self._inflight.popleft()
-        self.speculation.observe(launched.shape, self._period(launched), result.timing)
+        period = self._period(launched)
+        prediction = self.speculation.observe(launched.shape, period, result.timing)
+        if self._trace is not None:
+            self._trace.record(launched.shape, period, result.timing, *prediction, int(result.num_emitted.sum()))
         return self.connector.after_step(self._collect(launched.plan, result, out))
 
     def _period(self, launched: Launched) -> float:

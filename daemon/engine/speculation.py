@@ -14,6 +14,7 @@ the load. Greedy and unseeded requests are adaptive.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, window_counts
 from mtpserve.engine.step_plan import StepTiming
+from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
 HOLD_STEPS = 8  # steps a decision holds while the rows that emit stay as many
@@ -53,11 +55,15 @@ class Speculation:
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
+        self.trace: StepTrace | None = None  # a debug trace of the policy's decisions (step_trace.py)
+        self.schedule = DepthSchedule.from_env()  # a debug aid: every step's depth pinned by a schedule
         self._forget_traffic()
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
-        if self.adaptive and self.forced is None:
+        if self.schedule is not None and self.forced is None:
+            drafts = np.minimum(self._caps(plan), self.schedule.next_depth())
+        elif self.adaptive and self.forced is None:
             drafts = self._adaptive(plan)
         else:
             caps = self._caps(plan)
@@ -96,16 +102,19 @@ class Speculation:
         return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
                         _context(plan) if self.adaptive else 0)
 
-    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
-        """A finished step: its load, its period, the device thread's times."""
-        if seconds <= 0:
-            return
+    def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> Prediction:
+        """A finished step: its load, its period, the device thread's times. Returns what the model made
+        of it before learning from it."""
         device = self.costs.device(load)
-        self.predicted_seconds += device + self.extra.seconds(load.num_emitting)
+        prediction = Prediction(device, device + self.extra.seconds(load.num_emitting))
+        if seconds <= 0:
+            return prediction
+        self.predicted_seconds += prediction.period
         self.measured_seconds += seconds
         self.costs.observe(load, seconds, timing)
         if load.num_emitting:
             self.extra.observe(load.num_emitting, seconds, device)
+        return prediction
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
@@ -223,6 +232,10 @@ class Speculation:
             return work(depth) + extra
 
         depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        if self.trace is not None:
+            depths = range(self.max_drafts + 1)
+            self.trace.decision(len(caps_e), depth, [float(gain[emitting, np.maximum(np.minimum(caps_e, d), floors)]
+                                                               .sum()) for d in depths], [period(d) for d in depths])
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
@@ -237,6 +250,13 @@ class Speculation:
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
         return self.max_drafts if cap is None else min(cap, self.max_drafts)
+
+
+class Prediction(NamedTuple):
+    """The cost model's figures for a finished step, before it learnt from it (seconds)."""
+
+    device: float  # the device's time on a quiet host (the start-up profile's curves)
+    period: float  # the period: that time plus what serving adds at its rows
 
 
 def _context(plan: SchedulePlan) -> int:
