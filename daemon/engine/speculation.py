@@ -62,7 +62,10 @@ class Speculation:
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
         if self.schedule is not None and self.forced is None:
-            drafts = np.minimum(self._caps(plan), self.schedule.next_depth())
+            # NOTE: a seeded sample keeps its cap, as under the policy: its sample must not depend on the debug aid
+            caps = self._caps(plan)
+            pinned = np.array([_is_seeded_sample(row.request) for row in plan.rows], bool)
+            drafts = np.where(pinned, caps, np.minimum(caps, self.schedule.next_depth()))
         elif self.adaptive and self.forced is None:
             drafts = self._adaptive(plan)
         else:

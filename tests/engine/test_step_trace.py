@@ -41,6 +41,8 @@ def test_a_schedule_pins_every_steps_depth_within_each_requests_cap(monkeypatch)
     plan = decode_rows(2)
     plan.rows[1].request.params = SamplingParams(temperature=0.0, max_draft_tokens=2)
     assert [spec.choose(plan).tolist() for _ in range(4)] == [[1, 1], [1, 1], [3, 2], [3, 2]]
+    plan.rows[0].request.params = SamplingParams(temperature=1.0, seed=7)  # a seeded sample keeps its cap
+    assert [spec.choose(plan).tolist() for _ in range(4)] == [[3, 1], [3, 1], [3, 2], [3, 2]]
     monkeypatch.delenv(SCHEDULE_ENV)
     assert Speculation(3, adaptive=True, num_slots=4).schedule is None
 
