@@ -65,6 +65,19 @@ def test_a_level_sends_at_least_its_prompts_per_stream_and_the_same_first_prompt
     assert prompts[:6] == serve.make_dataset(_serve_args("--concurrency", "1", "4"))  # a level's prefix of them
 
 
+def test_level_prompts_give_each_level_its_own_count_and_must_match_the_levels():
+    import pytest
+
+    from mtpserve.bench import serve
+
+    args = _serve_args("--concurrency", "1", "4", "16", "--level-prompts", "5", "9", "20")
+    assert [serve.level_prompts(args, c) for c in (1, 4, 16)] == [5, 9, 20]
+    prompts = serve.make_dataset(args)
+    assert len(prompts) == 20 and prompts[:6] == serve.make_dataset(_serve_args("--concurrency", "1"))
+    with pytest.raises(SystemExit, match="one count per --concurrency level"):
+        serve.run(_serve_args("--concurrency", "1", "4", "--level-prompts", "5"))
+
+
 async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compares_medians():
     import subprocess
 

@@ -50,6 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-per-stream", type=int, default=0,
                    help="each level sends at least this many prompts per stream (with 96 prompts, a level of 64 "
                    "streams is over in seconds, and its ramp and tail weigh as much as its steady state)")
+    p.add_argument("--level-prompts", type=int, nargs="+", default=None, metavar="N",
+                   help="prompts of each level, one per --concurrency (instead of --num-prompts and "
+                   "--prompts-per-stream): visits of about equal length at every level, e.g. 64 160 640 1280 for "
+                   "1 4 16 64 streams")
     p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens (shared-prefix: the "
                    "user turn's)")
     p.add_argument("--num-prefixes", type=int, default=16, help="shared-prefix: distinct system prompts")
@@ -97,6 +101,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.level_prompts is not None and len(args.level_prompts) != len(args.concurrency):
+        raise SystemExit(f"--level-prompts needs one count per --concurrency level ({len(args.concurrency)}), "
+                         f"got {len(args.level_prompts)}")
     if args.compare:
         reports = {path.stem: json.loads(path.read_text()) for path in args.compare}
         print(f"plot: {plot_compare(reports, (args.plot_dir or Path('.')) / 'serve-compare.png')}")
@@ -193,7 +200,7 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "input_len", "output_len", "range_ratio",
+    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "level_prompts", "input_len", "output_len", "range_ratio",
             "concurrency", "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
             "duration")
     shared = ("num_prefixes", "prefix_len") if args.dataset == "shared-prefix" else ()
@@ -310,6 +317,8 @@ def _length(base: int, ratio: float, key: str) -> int:
 
 def level_prompts(args: argparse.Namespace, concurrency: int) -> int:
     """How many prompts a level of `concurrency` streams sends: the first ones of make_dataset's."""
+    if args.level_prompts is not None:
+        return dict(zip(args.concurrency, args.level_prompts))[concurrency]
     return max(args.num_prompts, args.prompts_per_stream * concurrency)
 
 
