@@ -312,6 +312,25 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
     assert table.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.2
 
 
+def test_a_hopeful_request_tries_the_first_depth_the_instance_doubts():
+    """The instance trusts depth 1 and doubts depth 2 (one request's second drafts were all rejected): new
+    requests draft one, and only a hopeful one tries a second, whose windows can teach the instance again
+    (at depth 1 nothing would)."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
+    for _ in range(300):
+        spec.instance.observe(np.array([K]), np.array([1]))
+    assert spec.instance.rates()[0] > 0.9 and spec.instance.rates()[1] < 0.1
+    drafted = []
+    for i in range(2 * HOPEFUL):
+        row = decode_row(i % 4)
+        row.request.slot = row.slot
+        spec.choose(SchedulePlan((row,), (row.request,), (), ()))
+        drafted.append(row.request.num_drafts)
+    assert [i for i, k in enumerate(drafted) if k >= 2] == [0, HOPEFUL]
+    assert all(k == 1 for i, k in enumerate(drafted) if i % HOPEFUL)
+
+
 def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
     """The depth at 64 rows after serving steps that took `added_ms` more than their quiet device time,
     on the bundled model's profile at 64 rows (acceptance 0.7 per depth)."""
