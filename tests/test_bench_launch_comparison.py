@@ -78,7 +78,15 @@ def test_level_prompts_give_each_level_its_own_count_and_must_match_the_levels()
         serve.run(_serve_args("--concurrency", "1", "4", "--level-prompts", "5"))
 
 
-async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compares_medians():
+async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compares_medians(monkeypatch):
+    await _two_rounds_of_the_step_load(monkeypatch, relaunch=False)
+
+
+async def test_relaunch_starts_the_instances_afresh_for_every_round(monkeypatch):
+    await _two_rounds_of_the_step_load(monkeypatch, relaunch=True)
+
+
+async def _two_rounds_of_the_step_load(monkeypatch, relaunch: bool) -> None:
     import subprocess
 
     from aiohttp.test_utils import TestServer
@@ -87,14 +95,20 @@ async def test_the_step_load_visits_every_instance_each_round_in_turn_and_compar
     from mtpserve.bench import serve
     from mtpserve.bench.serve_launch import Instance
 
-    args = _serve_args("--step-load", "1", "2", "--step-period", "0.1", "--duration", "0.3", "--rounds", "2")
+    args = _serve_args("--step-load", "1", "2", "--step-period", "0.1", "--duration", "0.3", "--rounds", "2",
+                       "--model", MODEL, "--launch", "a=", "b=", *(["--relaunch"] if relaunch else []))
     done = subprocess.Popen(["true"])  # the servers are in this process; an instance's process is only kept
     done.wait()
+    launches = []
     async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
-        instances = [Instance(label, str(server.make_url("")).rstrip("/"), done, label)
-                     for label, server in (("a", a), ("b", b))]
-        async with serve._session(args) as session:
-            report = await serve._step_load_all(session, args, MODEL, instances)
+        def start_all(specs: list[str]) -> list[Instance]:  # NOTE: the boundary: no `mtpserve serve` processes
+            launches.append(specs)
+            return [Instance(label, str(server.make_url("")).rstrip("/"), done, label)
+                    for label, server in (("a", a), ("b", b))]
+
+        monkeypatch.setattr(serve, "start_all", start_all)
+        report = await serve.run_launched(args)
+    assert len(launches) == (2 if relaunch else 1)
     assert [(r["label"], r["round"]) for r in report["runs"]] == [("a", 1), ("b", 1), ("b", 2), ("a", 2)]
     assert all(r["summary"]["completed"] > 0 and r["summary"]["failed"] == 0 for r in report["runs"])
     rows = {r["label"]: r for r in report["comparison"]}

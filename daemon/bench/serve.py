@@ -92,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="with --launch: visit every instance this many times per level; the comparison takes "
                    "each one's median output tok/s (the machine's drift lands on every configuration)")
+    p.add_argument("--relaunch", action="store_true",
+                   help="with --launch: start the instances afresh for every round (identical instances differ "
+                   "by a few %% for as long as they live; see serve.py _launches)")
     p.add_argument("--step-load", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="instead of levels: streams alternate between LOW and HIGH every --step-period "
                    "seconds for --duration seconds (serve_step_load.py)")
@@ -117,48 +120,63 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def run_launched(args: argparse.Namespace) -> dict:
-    """Every --launch instance up at once; each level (or the step load) visits them in turn."""
-    instances = start_all(args.launch)
-    try:
-        async with _session(args) as session:
-            model = args.model or await _first_model(session, instances[0].url)
-            if args.step_load:
-                return await _step_load_all(session, args, model, instances)
-            prompts, runs, levels = make_dataset(args), [], {}
-            visits = [(c, r) for c in args.concurrency for r in range(args.rounds)]
-            for n, (concurrency, round_) in enumerate(visits):
-                # NOTE: each visit starts with the next instance, so no configuration always goes first
-                for instance in instances[n % len(instances):] + instances[:n % len(instances)]:
-                    summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
-                    print(format_run(f"{instance.label} concurrency {concurrency} round {round_ + 1}", summary),
-                          flush=True)
-                    runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
-                                 "summary": summary})
-                    levels.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
-    finally:
-        stop_all(instances)
-    table = comparison(levels, [instance.label for instance in instances])
+    """Every --launch instance up at once; each level (or the step load) visits them in turn. With
+    --relaunch, every round has instances of its own."""
+    labels = [spec.partition("=")[0] for spec in args.launch]
+    runs: list[dict] = []
+    visits: dict[int, dict[str, list[dict]]] = {}  # level (the step load: its HIGH) -> label -> summaries
+    model = args.model
+    for rounds in _launches(args):
+        instances = start_all(args.launch)
+        try:
+            async with _session(args) as session:
+                model = model or await _first_model(session, instances[0].url)
+                await _visit_all(session, args, model, instances, rounds, runs, visits)
+        finally:
+            stop_all(instances)
+    table = comparison(visits, labels)
     print(format_comparison(table), flush=True)
+    if args.step_load:
+        return {"benchmark": "serve-step-load", "launch": args.launch, "model": model, "config": _config(args),
+                "runs": runs, "comparison": table, "plots": []}
     plot_path = plot_launched(table, (args.plot_dir or args.out.parent) / f"{args.out.stem}-launched.png")
     return {"benchmark": "serve", "launch": args.launch, "model": model, "config": _config(args), "runs": runs,
             "comparison": table, "plots": [plot_path] if plot_path else []}
 
 
-async def _step_load_all(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
-                         instances: list[Instance]) -> dict:
-    runs: list[dict] = []
-    visits: dict[str, list[dict]] = {}
-    for round_ in range(args.rounds):
-        # NOTE: each round starts with the next instance, as the levels' visits do
-        for instance in instances[round_ % len(instances):] + instances[:round_ % len(instances)]:
-            report = await _step_load(session, _at(args, instance.url), model)
-            print(format_step_load(f"{instance.label} round {round_ + 1}", report), flush=True)
-            runs.append({"label": instance.label, "round": round_ + 1, "summary": report})
-            visits.setdefault(instance.label, []).append(report)
-    table = comparison({args.step_load[1]: visits}, [instance.label for instance in instances])
-    print(format_comparison(table), flush=True)
-    return {"benchmark": "serve-step-load", "launch": args.launch, "model": model, "config": _config(args),
-            "runs": runs, "comparison": table, "plots": []}
+def _launches(args: argparse.Namespace) -> list[range]:
+    """The rounds each launch of the instances serves: all of them, or one each with --relaunch.
+
+    NOTE: identical instances launched side by side differ by a few % for as long as they live (four
+    k=2 instances at one stream: 0.94-1.03 of the best other over four rounds, each one's rank the same
+    in most rounds): where a process's memory lands decides how well the bundled model's 24 MB stay in
+    this host's 32 MB cache. One launch per round makes that a draw per round, which the rounds'
+    medians average."""
+    return [range(r, r + 1) for r in range(args.rounds)] if args.relaunch else [range(args.rounds)]
+
+
+async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
+                     instances: list[Instance], rounds: range, runs: list[dict],
+                     visits: dict[int, dict[str, list[dict]]]) -> None:
+    """These rounds of every level (or of the step load), each visiting every instance in turn; appends
+    to `runs` and `visits`."""
+    prompts = None if args.step_load else make_dataset(args)
+    levels = [args.step_load[1]] if args.step_load else args.concurrency
+    for concurrency, round_ in [(c, r) for c in levels for r in rounds]:
+        # NOTE: each visit starts with the next instance, so no configuration always goes first
+        turn = len(runs) // len(instances)
+        for instance in instances[turn % len(instances):] + instances[:turn % len(instances)]:
+            if prompts is None:
+                summary = await _step_load(session, _at(args, instance.url), model)
+                print(format_step_load(f"{instance.label} round {round_ + 1}", summary), flush=True)
+                runs.append({"label": instance.label, "round": round_ + 1, "summary": summary})
+            else:
+                summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
+                print(format_run(f"{instance.label} concurrency {concurrency} round {round_ + 1}", summary),
+                      flush=True)
+                runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
+                             "summary": summary})
+            visits.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
 
 
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
