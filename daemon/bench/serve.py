@@ -148,10 +148,10 @@ def _launches(args: argparse.Namespace) -> list[range]:
     """The rounds each launch of the instances serves: all of them, or one each with --relaunch.
 
     NOTE: identical instances launched side by side differ by a few % for as long as they live (four
-    k=2 instances at one stream: 0.94-1.03 of the best other over four rounds, each one's rank the same
-    in most rounds): where a process's memory lands decides how well the bundled model's 24 MB stay in
-    this host's 32 MB cache. One launch per round makes that a draw per round, which the rounds'
-    medians average."""
+    k=2 instances at one stream: 0.94-1.03 of the best other over four rounds; one was faster than its
+    round's mean in all four, another slower in all four, by ~3% each): where a process's memory lands
+    decides how well the bundled model's 24 MB stay in this host's 32 MB cache. One launch per round
+    makes that a draw per round, which the rounds' medians average."""
     return [range(r, r + 1) for r in range(args.rounds)] if args.relaunch else [range(args.rounds)]
 
 
