@@ -85,6 +85,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "serve-compare.png in --plot-dir")
     p.add_argument("--server-pid", type=int, default=None,
                    help="also report this local process's CPU time per streamed token (Linux /proc)")
+    _add_side_by_side(p)
+    p.set_defaults(func=run)
+
+
+def _add_side_by_side(p: argparse.ArgumentParser) -> None:
+    """The options of --launch: instances started here and compared side by side, by levels or a step load."""
     p.add_argument("--launch", nargs="+", default=None, metavar="LABEL=FLAGS",
                    help="start one `mtpserve serve` per entry with these flags (instead of --base-url) and "
                    "visit them in turn at every level, e.g. 'k0=--num-speculative-tokens 0' "
@@ -100,7 +106,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "seconds for --duration seconds (serve_step_load.py)")
     p.add_argument("--step-period", type=float, default=10.0)
     p.add_argument("--duration", type=float, default=120.0)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,9 +223,9 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "level_prompts", "input_len", "output_len", "range_ratio",
-            "concurrency", "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs", "step_load", "step_period",
-            "duration")
+    keep = ("endpoint", "dataset", "num_prompts", "prompts_per_stream", "level_prompts", "input_len", "output_len",
+            "range_ratio", "concurrency", "request_rate", "temperature", "no_ignore_eos", "seed", "logprobs",
+            "step_load", "step_period", "duration")
     shared = ("num_prefixes", "prefix_len") if args.dataset == "shared-prefix" else ()
     return {k: getattr(args, k) for k in (*keep, *shared)}
 
