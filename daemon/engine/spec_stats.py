@@ -80,10 +80,19 @@ class DepthAcceptance:
         self.tried = self.tried * factor
         self.accepted = self.accepted * factor
 
-    def rates(self, prior: np.ndarray | None = None) -> np.ndarray:
-        """[K] conditional acceptance per depth."""
-        base = np.full(self.tried.shape[0], self.FIRST_PRIOR) if prior is None else prior
-        return (self.accepted + self.PRIOR_WEIGHT * base) / (self.tried + self.PRIOR_WEIGHT)
+    def rates(self) -> np.ndarray:
+        """[K] conditional acceptance per depth. Each depth's evidence is shrunk towards the estimate of
+        the depth before it (the first prior at depth 1, and never above it).
+
+        NOTE: a draft deeper than one rarely accepted is rarely tried, so its estimate is mostly prior;
+        a prior of the first prior at every depth had a hopeful request on random words (depth 1 at
+        ~0.05) expect 0.7 at depth 2 and draft two deep, 3% of rows at one stream (0.87 of k=0)."""
+        rates = np.empty(self.tried.shape[0])
+        base = self.FIRST_PRIOR
+        for depth in range(rates.shape[0]):
+            rates[depth] = (self.accepted[depth] + self.PRIOR_WEIGHT * base) / (self.tried[depth] + self.PRIOR_WEIGHT)
+            base = min(base, float(rates[depth]))
+        return rates
 
 
 class SlotAcceptance:
