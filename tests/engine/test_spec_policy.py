@@ -313,6 +313,29 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
     assert table.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.2
 
 
+def test_a_hopeful_request_stops_drafting_as_soon_as_its_windows_are_rejected():
+    """One row, a device where a first draft pays only above ~0.57 acceptance (the bundled model's periods at
+    one row), an instance that doubts depth 1: the hopeful request drafts on its hope, and its first
+    rejected window ends it (a decision held for HOLD_STEPS would have it draft eight)."""
+    spec = Speculation(K, adaptive=True, num_slots=4)
+    for depth, ms in enumerate([1.52, 2.38, 3.10, 3.90]):
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(depth + 1, 1, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.0)
+    for _ in range(300):
+        spec.instance.observe(np.array([K]), np.array([0]))
+    row = decode_row(0)
+    row.request.slot = row.slot
+    windows = []
+    for step in range(20):
+        plan = SchedulePlan((row,), (row.request,) if step == 0 else (), (), ())
+        k = int(spec.choose(plan)[0])
+        windows.append(k)
+        if k:
+            spec.observe_windows(np.array([row.slot]), np.array([k]), np.array([0]), complete=np.array([k]))
+    assert windows[0] == 1 and sum(windows) == 1
+
+
 def test_a_hopeful_request_tries_the_first_depth_the_instance_doubts():
     """The instance trusts depth 1 and doubts depth 2 (one request's second drafts were all rejected): new
     requests draft one, and only a hopeful one tries a second, whose windows can teach the instance again
