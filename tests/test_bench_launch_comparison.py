@@ -1,6 +1,6 @@
 """bench serve --launch --rounds: the comparison takes each configuration's median over its rounds."""
 
-from mtpserve.bench.serve_launch import comparison
+from mtpserve.bench.serve_launch import comparison, format_comparison
 
 
 def test_the_comparison_uses_each_labels_median_round():
@@ -128,3 +128,26 @@ def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
     phases = phase_throughput([quiet, crossing], 100.0, 1000.0, 10.0)
     assert phases["low"] == (40 + 20) / 50.0
     assert phases["high"] == 20 / 50.0
+
+
+def test_a_visit_with_failed_requests_is_left_out_of_the_medians_and_the_pairs(tmp_path):
+    """A k=1 rank that died in round 1 served its visits then with failures, or not at all (0 tok/s): that
+    round measures the crash, not k=1."""
+    from mtpserve.bench.serve_report import plot_launched
+
+    def visits(rates, failed=()):
+        return [{"output_throughput": r, "failed": 52 if i in failed else 0} for i, r in enumerate(rates, 1)]
+
+    levels = {64: {"k1": visits([0.0, 2600.0, 2700.0], failed={1}),
+                   "adaptive": visits([2800.0, 2650.0, 2750.0])},
+              1: {"k1": visits([0.0, 0.0], failed={1, 2}), "adaptive": visits([800.0, 820.0])}}
+    rows = {(r["concurrency"], r["label"]): r for r in comparison(levels, ["k1", "adaptive"])}
+    k1, adaptive = rows[64, "k1"], rows[64, "adaptive"]
+    assert k1["output_throughput"] == 2650.0 and k1["failed_rounds"] == [1]
+    assert adaptive["ratio_to_best_other"] == 2750.0 / 2650.0
+    assert adaptive["paired_to_best_other"] == (2650.0 / 2600.0 + 2750.0 / 2700.0) / 2  # rounds 2 and 3 only
+    assert rows[1, "k1"]["output_throughput"] is None and rows[1, "adaptive"]["ratio_to_best_other"] is None
+    assert rows[1, "adaptive"]["ratio_to_first"] is None and rows[1, "adaptive"]["paired_to_best_other"] is None
+    table = format_comparison(list(rows.values()))
+    assert "left out: round 1" in table and "left out: round 1, 2" in table
+    assert plot_launched(list(rows.values()), tmp_path / "launched.png") is not None

@@ -102,41 +102,58 @@ def _free_port() -> int:
 
 def comparison(levels: dict[int, dict[str, list[dict]]], labels: list[str]) -> list[dict]:
     """Per concurrency and label (in `labels` order): the median output tok/s of its rounds, and its ratio
-    to the first label's and to the best other's; and the paired ratio to the best other (paired_ratios)."""
+    to the first label's and to the best other's; and the paired ratio to the best other (paired_ratios).
+
+    NOTE: a visit in which any request failed (an instance that died, say) measures the failure, not the
+    configuration: it is left out of the medians and the pairs, and its round is listed in `failed_rounds`.
+    Counted as its throughput, one k=1 rank's crash made its median at 64 streams a round of 0."""
     rows = []
     for concurrency, by_label in levels.items():
         rounds = {label: [s["output_throughput"] for s in by_label[label]] for label in labels}
-        rates = {label: statistics.median(values) for label, values in rounds.items()}
-        first = next(iter(rates.values()))
+        good = {label: [s["output_throughput"] if not s.get("failed") else None for s in by_label[label]]
+                for label in labels}
+        rates = {label: _median(values) for label, values in good.items()}
+        first = rates[labels[0]]
         for label, rate in rates.items():
-            others = [r for other, r in rates.items() if other != label]
+            others = [r for other, r in rates.items() if other != label and r is not None]
             rows.append({"concurrency": concurrency, "label": label, "output_throughput": rate,
-                         "rounds": rounds[label], "ratio_to_first": rate / first if first else None,
-                         "ratio_to_best_other": rate / max(others) if others and max(others) else None,
-                         "paired_to_best_other": paired_ratios(rounds, label)})
+                         "rounds": rounds[label],
+                         "failed_rounds": [i + 1 for i, v in enumerate(good[label]) if v is None],
+                         "ratio_to_first": rate / first if rate is not None and first else None,
+                         "ratio_to_best_other": rate / max(others) if rate is not None and others and max(others)
+                         else None,
+                         "paired_to_best_other": paired_ratios(good, label)})
     return rows
 
 
-def paired_ratios(rounds: dict[str, list[float]], label: str) -> float | None:
+def paired_ratios(rounds: dict[str, list[float | None]], label: str) -> float | None:
     """The lowest, over the other labels, of the median over rounds of label's rate / that label's rate in
-    the same round.
+    the same round (rounds where either visit failed, None, left out).
 
     NOTE: the host drifts by ±10-15% over a minute, and one round visits every label within one: a ratio
     taken inside a round cancels most of the drift that two medians of separate visits keep. Like
     ratio_to_best_other it takes the worst over the others (biased downwards by what noise is left), but of
     figures with less noise in them."""
     mine = rounds[label]
-    ratios = [statistics.median(a / b for a, b in zip(mine, theirs) if b)
-              for other, theirs in rounds.items() if other != label and any(theirs)]
-    return min(ratios) if ratios else None
+    ratios = [_median([a / b for a, b in zip(mine, theirs) if a is not None and b])
+              for other, theirs in rounds.items() if other != label]
+    return min((r for r in ratios if r is not None), default=None)
+
+
+def _median(values: list[float | None] | list[float]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def format_comparison(rows: list[dict]) -> str:
     lines = [f"{'conc':>5} {'label':<14} {'out tok/s':>10} {'/first':>7} {'/best other':>11} {'paired':>7}"]
     for r in rows:
-        lines.append(f"{r['concurrency']:>5} {r['label']:<14} {r['output_throughput']:>10.1f} "
+        rate = "-" if r["output_throughput"] is None else f"{r['output_throughput']:.1f}"
+        failed = r.get("failed_rounds")
+        lines.append(f"{r['concurrency']:>5} {r['label']:<14} {rate:>10} "
                      f"{_ratio(r['ratio_to_first']):>7} {_ratio(r['ratio_to_best_other']):>11} "
-                     f"{_ratio(r['paired_to_best_other']):>7}")
+                     f"{_ratio(r['paired_to_best_other']):>7}"
+                     + (f"  (left out: round {', '.join(map(str, failed))}, requests failed)" if failed else ""))
     return "\n".join(lines)
 
 

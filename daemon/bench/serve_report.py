@@ -175,13 +175,14 @@ def plot_launched(rows: list[dict], path: Path) -> str | None:
     for label, color in zip(labels, [f"C{i}" for i in range(10)]):
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in mine]
-        left.plot(xs, [r["output_throughput"] for r in mine], "o-", color=color, label=label)
+        left.plot(xs, [_nan(r["output_throughput"]) for r in mine], "o-", color=color, label=label)
         for r in mine:
-            left.plot([r["concurrency"]] * len(r["rounds"]), r["rounds"], ".", color=color, alpha=0.4)
-        right.plot(xs, [r["ratio_to_best_other"] for r in mine], "o-", color=color, label=label)
+            good = [v for i, v in enumerate(r["rounds"], 1) if i not in r.get("failed_rounds", ())]
+            left.plot([r["concurrency"]] * len(good), good, ".", color=color, alpha=0.4)
+        right.plot(xs, [_nan(r["ratio_to_best_other"]) for r in mine], "o-", color=color, label=label)
         paired = [r.get("paired_to_best_other") for r in mine]  # absent from reports older than it
-        if all(p is not None for p in paired):
-            right.plot(xs, paired, "x--", color=color, alpha=0.6)
+        if any(p is not None for p in paired):
+            right.plot(xs, [_nan(p) for p in paired], "x--", color=color, alpha=0.6)
     right.axhline(1.0, color="grey", lw=0.8)
     right.axhline(0.95, color="grey", lw=0.8, ls=":")
     left.set(xscale="log", xlabel="concurrency", ylabel="output tokens / s (median of visits)", title="throughput")
@@ -194,6 +195,11 @@ def plot_launched(rows: list[dict], path: Path) -> str | None:
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     return _save(plt, fig, path)
+
+
+def _nan(value: float | None) -> float:
+    """A figure to plot: a missing one (every visit failed) leaves a gap."""
+    return float("nan") if value is None else value
 
 
 def _pyplot():
