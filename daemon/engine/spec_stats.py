@@ -130,13 +130,18 @@ class SlotAcceptance:
         # draft is worth trying. It counts for one window: at four, ten windows of nothing accepted (all a
         # decay of 0.9 keeps) still left 0.2 at depth 1 and the first prior's 0.7 deeper, and a hopeful
         # request at one stream drafted all its life where nothing was accepted.
-        hopeful = self.hopeful[slots, None] & (np.arange(self.tried.shape[1]) == _first_doubt(prior))
+        hopeful = self.hopeful[slots, None] & (np.arange(self.tried.shape[1]) == first_doubt(prior))
         weight = np.where(hopeful, self.HOPE_WEIGHT, DepthAcceptance.PRIOR_WEIGHT)
         prior = np.where(hopeful, np.maximum(prior, DepthAcceptance.FIRST_PRIOR), prior)
         return (self.accepted[slots] + weight * prior) / (self.tried[slots] + weight)
 
+    def hoping(self, slots: np.ndarray, drafts: np.ndarray, prior: np.ndarray) -> bool:
+        """Whether a hopeful one of these slots' requests drafts [R] as deep as the depth it hopes for
+        (none does where the instance doubts no depth: there the hope changes nothing)."""
+        return bool((self.hopeful[slots] & (drafts > first_doubt(prior))).any())
 
-def _first_doubt(prior: np.ndarray) -> int:
+
+def first_doubt(prior: np.ndarray) -> int:
     """The first depth whose estimate is below the first prior (K if none is).
 
     NOTE: where the instance doubts depth d+1 but trusts the depths before it, the policy stays at depth

@@ -22,7 +22,7 @@ from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
-from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, window_counts
+from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, first_doubt, window_counts
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
@@ -187,7 +187,7 @@ class Speculation:
             self._admitted += len(plan.inserts)
             hopeful = serial % HOPEFUL == 0
             self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64), hopeful=hopeful)
-            if hopeful.any() and self._held is not None:
+            if hopeful.any() and self._held is not None and first_doubt(self.instance.rates()) < self.max_drafts:
                 self._held.steps = 0  # NOTE: a hope is news: the held depth was decided without it
         drafts = self._policy(plan, self._caps(plan))
         if self._held is not None:
@@ -206,7 +206,8 @@ class Speculation:
         if not emits.any():
             return drafts
         slots = np.array([row.slot for row in plan.rows], np.int64)
-        rates = self.requests.rates(slots[emits], self.instance.rates())
+        prior = self.instance.rates()
+        rates = self.requests.rates(slots[emits], prior)
         caps_e, floors = caps[emits], drafts[emits]
         held = self._held
         if held is not None and held.num_emitting == len(caps_e) and held.steps:
@@ -246,17 +247,13 @@ class Speculation:
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
-        self._held = _Hold(len(caps_e), 0 if self._hoping(slots[emits], drafts[emits]) else HOLD_STEPS - 1,
-                           depth, slot_cost)
+        # NOTE: a decision that has a hopeful request draft the depth it hopes for rests on one window's
+        # worth of hope, and the next verdict is worth deciding on. Held for HOLD_STEPS, every hopeful
+        # request on random words drafted eight windows, all rejected, and each such step ran its MTP
+        # depth for every row: 2% of steps at four streams.
+        hoping = self.requests.hoping(slots[emits], drafts[emits], prior)
+        self._held = _Hold(len(caps_e), 0 if hoping else HOLD_STEPS - 1, depth, slot_cost)
         return drafts
-
-    def _hoping(self, slots: np.ndarray, drafts: np.ndarray) -> bool:
-        """Whether a hopeful request drafts: the decision rests on one window's worth of hope, and its
-        next verdict is worth deciding on.
-
-        NOTE: held for HOLD_STEPS, every hopeful request on random words drafted eight windows, all
-        rejected, and the step ran its MTP depth for every row: at four streams, 2% of steps."""
-        return bool((self.requests.hopeful[slots] & (drafts > 0)).any())
 
     def _caps(self, plan: SchedulePlan) -> np.ndarray:
         return np.array([self._cap(row.request) for row in plan.rows], np.int64)
