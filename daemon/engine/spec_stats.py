@@ -86,7 +86,7 @@ class DepthAcceptance:
 
         NOTE: a draft deeper than one rarely accepted is rarely tried, so its estimate is mostly prior;
         a prior of the first prior at every depth had a hopeful request on random words (depth 1 at
-        ~0.05) expect 0.7 at depth 2 and draft two deep, 3% of rows at one stream (0.87 of k=0)."""
+        ~0.05) expect 0.7 at depth 2 and draft two deep: 3% of rows at one stream."""
         rates = np.empty(self.tried.shape[0])
         base = self.FIRST_PRIOR
         for depth in range(rates.shape[0]):

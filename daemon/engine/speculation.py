@@ -251,7 +251,8 @@ class Speculation:
         # worth of hope, and the next verdict is worth deciding on. Held for HOLD_STEPS, every hopeful
         # request on random words drafted eight windows, all rejected, and each such step ran its MTP
         # depth for every row: 2% of steps at four streams.
-        hoping = self.requests.hoping(slots[emits], drafts[emits], prior)
+        chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
+        hoping = self.requests.hoping(slots[emits], chosen, prior)
         self._held = _Hold(len(caps_e), 0 if hoping else HOLD_STEPS - 1, depth, slot_cost)
         return drafts
 
