@@ -18,12 +18,7 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
     spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
     for _ in range(300):
         spec.instance.observe(np.array([K]), np.array([0]))
-    drafted = []
-    for i in range(2 * HOPEFUL):
-        row = decode_row(i % 4)
-        row.request.slot = row.slot
-        spec.choose(SchedulePlan((row,), (row.request,), (), ()))
-        drafted.append(row.request.num_drafts)
+    drafted = new_requests_drafts(spec)
     assert drafted[0] == drafted[HOPEFUL] == 1 and sum(drafted) == 2
     table = spec.requests  # the hopeful request's own windows soon outweigh its hope
     table.reset(np.array([0]), hopeful=True)
@@ -77,11 +72,17 @@ def test_a_hopeful_request_tries_the_first_depth_the_instance_doubts():
     for _ in range(300):
         spec.instance.observe(np.array([K]), np.array([1]))
     assert spec.instance.rates()[0] > 0.9 and spec.instance.rates()[1] < 0.1
+    drafted = new_requests_drafts(spec)
+    assert [i for i, k in enumerate(drafted) if k >= 2] == [0, HOPEFUL]
+    assert all(k == 1 for i, k in enumerate(drafted) if i % HOPEFUL)
+
+
+def new_requests_drafts(spec: Speculation) -> list[int]:
+    """2 x HOPEFUL new requests, one at a time in 4 slots: the drafts each was given on arrival."""
     drafted = []
     for i in range(2 * HOPEFUL):
         row = decode_row(i % 4)
         row.request.slot = row.slot
         spec.choose(SchedulePlan((row,), (row.request,), (), ()))
         drafted.append(row.request.num_drafts)
-    assert [i for i, k in enumerate(drafted) if k >= 2] == [0, HOPEFUL]
-    assert all(k == 1 for i, k in enumerate(drafted) if i % HOPEFUL)
+    return drafted
