@@ -10,8 +10,9 @@ finish to its own). Two layers:
    target(N): the device thread's time for everything but drafting (target pass over N tokens, LM head,
    verification, logprobs), one curve for decode-only steps and one for steps with a prefill chunk (a
    decode token is also a logit row, a prompt token is not, and on a small model the LM head costs as
-   much as a layer); depth(N): one MTP depth over the same N tokens; C: the positions the step's rows
-   attend, and a_target, a_depth what each costs the target pass and a depth. The device thread's times
+   much as a layer); depth(N): one MTP depth over the same N tokens; C: what the step's attention reads
+   (a decode window's (query token, key) pairs, a prompt chunk's positions), and a_target, a_depth what
+   each unit costs the target pass and a depth. The device thread's times
    come from the step itself (`StepTiming`), taken where it already waits for the device, so timing adds
    no sync. A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at
    every depth, a few batch sizes and a short and a long context; then they are frozen.
@@ -127,7 +128,7 @@ class StepLoad(NamedTuple):
     depth: int  # MTP depths the step ran
     has_prefill: bool
     num_emitting: int = 0  # rows that emit (decode windows, last prompt chunks)
-    context: int = 0  # positions the rows attend: each row's KV length at the end of its tokens, summed
+    context: int = 0  # what attention reads: decode windows' (query, key) pairs, prompt chunks' positions
 
 
 # NOTE: CPU-sized guesses (seconds) used until a curve has samples: 2 ms + 0.2 ms a token for the target
@@ -145,12 +146,12 @@ class StepCosts:
 
         device = target(N) + a_target * C + D * (depth(N) + a_depth * C),
 
-    N the target pass's tokens, C the positions its rows attend (`StepLoad.context`), D the depths.
+    N the target pass's tokens, C what its attention reads (`StepLoad.context`), D the depths.
 
-    NOTE: a decode row reads its whole KV once per layer whatever its window, so attention grows with the
-    rows' contexts, not with N: measured here at 16 rows, 384-token prompts instead of 32 doubled a
-    depth-0 step (2.2 -> 4.4 ms) and each depth's draft time (0.7 -> 1.5 ms), and curves over N alone,
-    profiled at short contexts, charged a depth half of what it costs in serving."""
+    NOTE: attention grows with the rows' contexts, which N does not see: measured here at 16 rows,
+    384-token prompts instead of 32 doubled a depth-0 step (2.2 -> 4.4 ms) and each depth's draft time
+    (0.7 -> 1.5 ms), and curves over N alone, profiled at short contexts, charged a depth half of what it
+    costs in serving. A window's every token dots every key (speculation._context says what that did)."""
 
     def __init__(self) -> None:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps

@@ -123,6 +123,11 @@ class SlotAcceptance:
         self.tried[slots] = self.tried[slots] * self.decay + tried
         self.accepted[slots] = self.accepted[slots] * self.decay + accepted
 
+    def fade(self, slots: np.ndarray, factor: float) -> None:
+        """Weaken these slots' evidence without adding any (their estimates drift back to the prior)."""
+        self.tried[slots] *= factor
+        self.accepted[slots] *= factor
+
     def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance per depth of these slots' requests."""
         # NOTE: a hope is for one depth only, the first the instance doubts (its estimate below the first

@@ -28,6 +28,11 @@ from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
 HOLD_STEPS = 8  # steps a decision holds while the rows that emit stay as many
+# NOTE: a decision that repeats the one before it at as many rows holds twice as long, up to MAX_HOLD_STEPS:
+# a full decision costs ~150-250 us of Python, and the step's thread waits for the GIL meanwhile; at 16
+# rows, one every 8 steps was 1-2% of the engine's throughput where the depth never changed. A change in
+# the rows that emit, or a hope, still ends a hold at once.
+MAX_HOLD_STEPS = 64
 LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
 REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in HOPEFUL
@@ -38,6 +43,12 @@ REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output me
 # request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
 HOPEFUL = 16
 FADE = 0.9999
+# NOTE: a request that drafts nothing learns nothing, so an estimate that a few unlucky windows put low
+# would hold it at depth 0 all its life: at one row on code, where k=0 is 0.8 of k=2, a request whose
+# estimate read 0.8, 0.6, 0.8 (the instance's 0.87, 0.89, 0.86) stayed at depth 0. Each decision that
+# gives it no drafts weakens its own evidence by REQUEST_FADE (half of it in two decisions), back towards
+# the instance's estimate. A hopeful request keeps its evidence: its hope is for one window.
+REQUEST_FADE = 0.7
 
 
 class Speculation:
@@ -214,13 +225,18 @@ class Speculation:
             held.steps -= 1
             drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
             return drafts
-        num_rows, context = len(plan.rows), _context(plan)
+        num_rows = len(plan.rows)
+        # NOTE: a prompt chunk's attention is the mixed curve's (per row); a decode window's grows with its width
+        chunks = sum(row.start_pos + row.num_tokens for row in plan.rows if row.is_prefill)
+        kv = np.array([0 if row.is_prefill else row.request.num_kv_tokens for row in plan.rows])[emits]
+        decoding = np.array([not row.is_prefill for row in plan.rows])[emits]
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
 
         def decode_load(depth: int) -> StepLoad:
             window = np.maximum(np.minimum(caps_e, depth), floors) + 1
-            return StepLoad(int(window.sum()), num_rows, depth, False, context=context)
+            pairs = int((window * (kv + window))[decoding].sum())
+            return StepLoad(int(window.sum()), num_rows, depth, False, context=chunks + pairs)
 
         def work(depth: int) -> float:
             """Device seconds of a decode step of these rows at this depth, plus the prompts' share: each
@@ -253,7 +269,13 @@ class Speculation:
         # depth for every row: 2% of steps at four streams.
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
-        self._held = _Hold(len(caps_e), 0 if hoping else HOLD_STEPS - 1, depth, slot_cost)
+        idle = slots[emits][(drafts[emits] == 0) & ~self.requests.hopeful[slots[emits]]]
+        if idle.size:
+            self.requests.fade(idle, REQUEST_FADE)
+        length = HOLD_STEPS
+        if held is not None and held.depth == depth and held.num_emitting == len(caps_e):
+            length = min(2 * held.length, MAX_HOLD_STEPS)
+        self._held = _Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
 
     def _caps(self, plan: SchedulePlan) -> np.ndarray:
@@ -272,9 +294,16 @@ class Prediction(NamedTuple):
 
 
 def _context(plan: SchedulePlan) -> int:
-    """`StepLoad.context`: the KV length each row attends at the end of its tokens, summed."""
-    return sum((row.start_pos if row.is_prefill else row.request.num_kv_tokens) + row.num_tokens
-               for row in plan.rows)
+    """`StepLoad.context`: what the step's attention reads. A decode window's tokens each read the row's KV
+    (query-key pairs: its width times its KV length at the end of it); a prompt chunk counts its KV
+    length at the end of it once (its attention is the mixed curve's).
+
+    NOTE: the attention kernel (ops_ext/paged_attention.cc) reads a row's keys once but dots every query
+    with every key. At one row on this host, 224 more positions of context added 0.07 ms to a depth-0
+    step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
+    priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
+    return sum(row.start_pos + row.num_tokens if row.is_prefill
+               else row.num_tokens * (row.request.num_kv_tokens + row.num_tokens) for row in plan.rows)
 
 
 @dataclasses.dataclass
@@ -286,6 +315,7 @@ class _Hold:
     steps: int
     depth: int
     slot_cost: float
+    length: int  # the steps it held for when decided
     key: tuple[tuple[int, bool], ...] = ()
     drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 

@@ -1,0 +1,102 @@
+"""What the policy pays for what it decides: how it prices a step's attention, how a request that stopped
+drafting gets to draft again, and how often it decides at all (docs/speculation.md)."""
+
+import io
+
+import numpy as np
+from mtpserve.engine.request import EngineRequest, Request
+from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
+from mtpserve.engine.spec_cost import Curve
+from mtpserve.engine.spec_policy import expected_tokens
+from mtpserve.engine.speculation import HOLD_STEPS, MAX_HOLD_STEPS, Speculation
+from mtpserve.engine.step_plan import StepTiming
+from mtpserve.engine.step_trace import StepTrace
+from mtpserve.ipc.sampling_params import SamplingParams
+from spec_rows import K, decode_row
+
+# A device whose attention dots every query token with every key (ops_ext/paged_attention.cc), in ms:
+# the target pass a fixed part, a part per token and a part per (query token, key) pair; each MTP depth
+# the same over the same tokens.
+TARGET_BASE, TARGET_TOKEN, TARGET_PAIR = 0.5, 0.1, 0.0005
+DEPTH_BASE, DEPTH_PAIR = 0.15, 0.0001
+
+
+def device_ms(window: int, kv: int, depth: int) -> tuple[float, float]:
+    """(target, drafts) of one row's step: a window of `window` tokens after `kv` tokens of KV."""
+    pairs = window * (kv + window)
+    return TARGET_BASE + TARGET_TOKEN * window + TARGET_PAIR * pairs, depth * (DEPTH_BASE + DEPTH_PAIR * pairs)
+
+
+def one_row(kv: int, window: int) -> SchedulePlan:
+    request = Request(EngineRequest(0, (1, 2, 3), SamplingParams(temperature=0.0)), 0, 0)
+    request.num_kv_tokens = kv
+    return SchedulePlan((ScheduledRow(request, 0, 0, False, window, 0, True),), (), (), ())
+
+
+def profiled(acceptance: float) -> Speculation:
+    """A policy whose curves were profiled as the start-up profile does (every depth at a short and a long
+    context, the loads as the engine describes its steps), on the device above, and whose request and
+    instance accept `acceptance` at every depth."""
+    spec = Speculation(K, adaptive=True, num_slots=4)
+    for kv in (32, 384):
+        for depth in range(K + 1):
+            plan = one_row(kv, depth + 1)
+            load = spec.shape(plan, np.array([depth]))
+            target, drafts = device_ms(depth + 1, kv, depth)
+            for _ in range(Curve.MIN_SAMPLES):
+                spec.costs.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
+    spec.costs.freeze()
+    spec.instance.tried[:] = spec.requests.tried[0] = 1000.0
+    spec.instance.accepted[:] = spec.requests.accepted[0] = 1000.0 * acceptance
+    return spec
+
+
+def test_a_wide_window_pays_for_its_attention_per_query_token():
+    """At one row and 0.9 acceptance, one draft is best after 300 tokens of context, where each window
+    token's attention costs more than a deeper draft is worth; after 32 tokens deeper windows pay. Counting
+    a row's context once, whatever its window, priced the depth-3 step low and chose 3 after 300 tokens."""
+    spec = profiled(0.9)
+    gain = expected_tokens(np.full((1, K), 0.9))[0]
+    best = {kv: max(range(K + 1), key=lambda d: gain[d] / sum(device_ms(d + 1, kv, d))) for kv in (32, 300)}
+    assert best == {32: K, 300: 1}
+    spec._depth = 0
+    assert spec.choose(one_row(300, K + 1)).tolist() == [1]
+    spec._held = None
+    assert spec.choose(one_row(32, K + 1))[0] > 1
+
+
+def test_a_request_that_stopped_drafting_on_a_few_unlucky_windows_drafts_again():
+    """An instance that accepts 0.9, and a request whose first windows were all rejected: it stops
+    drafting. Drafting nothing it would learn nothing and stay at k=0 all its life; its own evidence fades
+    back to the instance's estimate instead, and it drafts again within a few decisions."""
+    spec = profiled(0.9)
+    spec.requests.tried[0] = 4.0
+    spec.requests.accepted[0] = 0.0
+    plan = one_row(32, K + 1)
+    spec._depth = 0
+    assert spec.choose(plan).tolist() == [0]
+    drafts = [int(spec.choose(plan)[0]) for _ in range(4 * HOLD_STEPS)]
+    assert drafts[-1] >= 1
+
+
+def test_a_decision_repeated_at_a_steady_load_holds_longer():
+    """At a steady load the policy decides again after HOLD_STEPS, then after twice as many steps each time
+    it decides the same, up to MAX_HOLD_STEPS: deciding costs Python the step's thread waits for. A change
+    in the rows that emit ends the hold at once."""
+    spec = profiled(0.9)
+    out = io.StringIO()
+    spec.trace = StepTrace(out)
+    rows = tuple(decode_row(i) for i in range(4))
+    for row in rows:
+        row.request.slot = row.slot
+    steady = SchedulePlan(rows, (), (), ())
+    for _ in range(1000):
+        spec.choose(steady)
+    decisions = out.getvalue().count("#d ")
+    expected = 0
+    steps, length = 0, HOLD_STEPS
+    while steps < 1000:
+        expected, steps, length = expected + 1, steps + length, min(2 * length, MAX_HOLD_STEPS)
+    assert decisions == expected
+    spec.choose(SchedulePlan(rows[:3], (), (), ()))
+    assert out.getvalue().count("#d ") == decisions + 1
