@@ -63,6 +63,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "with the k=0 run just before it, so a noisy host shifts both); reports the medians")
     p.add_argument("--model-equality-prompts", type=int, default=50,
                    help="prompts for the greedy MTP on/off equality check (0 = skip)")
+    p.add_argument("--model-adaptive", action="store_true",
+                   help="model: instead of one run per k, the speculation policy (K = the largest --model-k) "
+                        "against every k, in one process, rounds interleaved (engine_adaptive.py)")
+    p.add_argument("--model-temperature", type=float, default=0.0,
+                   help="model, with --model-adaptive: sampling temperature (0 = greedy)")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
     p.set_defaults(func=run)
@@ -76,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
                         args.max_tokens, args.warmup_steps, args.measure_steps)
             report["synthetic"].append(measure(case))
             print(format_row(report["synthetic"][-1]), flush=True)
-    if args.model is not None:
+    if args.model is not None and args.model_adaptive:
+        from mtpserve.bench.engine_adaptive import run_adaptive_bench
+
+        report["model_dir"] = str(args.model)
+        report["adaptive"] = run_adaptive_bench(args.model, args.model_batch, args.model_k, args.model_prompt_len,
+                                                args.model_max_tokens, args.model_rounds, args.model_temperature)
+    elif args.model is not None:
         from mtpserve.bench.engine_model import run_model_bench
 
         report["model_dir"] = str(args.model)

@@ -74,10 +74,10 @@ def measure_model(model, model_dir: Path, batch: int, k: int, prompt_len: int, m
 def _run_round(core: EngineCore, prompts: list, params: SamplingParams, tag: str) -> tuple[float, int]:
     for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(f"{tag}-{i}", prompt, params))
-    return _decode_window(core, len(prompts))
+    return decode_window(core, len(prompts))
 
 
-def _decode_window(core: EngineCore, batch: int) -> tuple[float, int]:
+def decode_window(core: EngineCore, batch: int) -> tuple[float, int]:
     """Step until all finish; time and count tokens from when every request has its first token."""
     started: set[int | str] = set()
     begin: float | None = None

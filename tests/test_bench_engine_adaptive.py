@@ -1,0 +1,25 @@
+"""`mtpserve bench engine --model-adaptive`: the policy against fixed k in one process, from the command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from daemon_harness import BUNDLED, model_available
+
+
+@pytest.mark.skipif(not model_available(), reason="no bundled model")
+def test_the_command_compares_the_policy_with_every_k_round_by_round(tmp_path):
+    out = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
+                           "--model", str(BUNDLED), "--model-adaptive", "--model-batch", "2",
+                           "--model-k", "0", "2", "--model-prompt-len", "32", "--model-max-tokens", "16",
+                           "--model-rounds", "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "adaptive batch   2" in done.stdout
+    [row] = json.loads(out.read_text())["adaptive"]
+    assert set(row["decode_tokens_per_s"]) == {"k0", "k2", "adaptive"}
+    assert all(len(rates) == 3 and min(rates) > 0 for rates in row["per_round"].values())
+    assert row["best_fixed"] in ("k0", "k2") and row["adaptive_over_best"] > 0
+    assert len(row["adaptive_rows_by_drafts"]) == 3 and sum(row["adaptive_rows_by_drafts"]) == pytest.approx(1, abs=0.01)
