@@ -74,6 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model_adaptive and args.model is None:
+        raise SystemExit("--model-adaptive compares engines on a real model: give --model DIR")
     report: dict = {"benchmark": "engine", "synthetic": [], "model": []}
     for batch in [] if args.skip_synthetic else args.batch:
         for overlap in (False, True):

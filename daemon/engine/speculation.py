@@ -14,7 +14,8 @@ the load. Greedy and unseeded requests are adaptive.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -49,6 +50,8 @@ FADE = 0.9999
 # gives it no drafts weakens its own evidence by REQUEST_FADE (half of it in two decisions), back towards
 # the instance's estimate. A hopeful request keeps its evidence: its hope is for one window.
 REQUEST_FADE = 0.7
+
+_Count = TypeVar("_Count", int, np.ndarray)  # a count, or an array of counts
 
 
 class Speculation:
@@ -225,18 +228,9 @@ class Speculation:
             held.steps -= 1
             drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
             return drafts
-        num_rows = len(plan.rows)
-        # NOTE: a prompt chunk's attention is the mixed curve's (per row); a decode window's grows with its width
-        chunks = sum(row.start_pos + row.num_tokens for row in plan.rows if row.is_prefill)
-        kv = np.array([0 if row.is_prefill else row.request.num_kv_tokens for row in plan.rows])[emits]
-        decoding = np.array([not row.is_prefill for row in plan.rows])[emits]
+        decode_load = _decode_loads(plan, emits, caps_e, floors)
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
-
-        def decode_load(depth: int) -> StepLoad:
-            window = np.maximum(np.minimum(caps_e, depth), floors) + 1
-            pairs = int((window * (kv + window))[decoding].sum())
-            return StepLoad(int(window.sum()), num_rows, depth, False, context=chunks + pairs)
 
         def work(depth: int) -> float:
             """Device seconds of a decode step of these rows at this depth, plus the prompts' share: each
@@ -269,14 +263,16 @@ class Speculation:
         # depth for every row: 2% of steps at four streams.
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
-        idle = slots[emits][(drafts[emits] == 0) & ~self.requests.hopeful[slots[emits]]]
-        if idle.size:
-            self.requests.fade(idle, REQUEST_FADE)
-        length = HOLD_STEPS
-        if held is not None and held.depth == depth and held.num_emitting == len(caps_e):
-            length = min(2 * held.length, MAX_HOLD_STEPS)
+        self._fade_idle(slots[emits], drafts[emits])
+        length = _hold_length(held, depth, len(caps_e))
         self._held = _Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
+
+    def _fade_idle(self, slots: np.ndarray, drafts: np.ndarray) -> None:
+        """The requests given no drafts (but hopeful ones) drift back towards the instance (REQUEST_FADE)."""
+        idle = slots[(drafts == 0) & ~self.requests.hopeful[slots]]
+        if idle.size:
+            self.requests.fade(idle, REQUEST_FADE)
 
     def _caps(self, plan: SchedulePlan) -> np.ndarray:
         return np.array([self._cap(row.request) for row in plan.rows], np.int64)
@@ -303,7 +299,36 @@ def _context(plan: SchedulePlan) -> int:
     step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
     priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
     return sum(row.start_pos + row.num_tokens if row.is_prefill
-               else row.num_tokens * (row.request.num_kv_tokens + row.num_tokens) for row in plan.rows)
+               else _pairs(row.num_tokens, row.request.num_kv_tokens) for row in plan.rows)
+
+
+def _pairs(width: _Count, kv: _Count) -> _Count:
+    """A decode window's (query token, key) pairs: `width` tokens after `kv` tokens of KV."""
+    return width * (kv + width)
+
+
+def _hold_length(held: _Hold | None, depth: int, num_emitting: int) -> int:
+    """Steps a new decision holds for: HOLD_STEPS, or twice the last one's if it decided the same depth at
+    as many rows (MAX_HOLD_STEPS at most)."""
+    if held is not None and held.depth == depth and held.num_emitting == num_emitting:
+        return min(2 * held.length, MAX_HOLD_STEPS)
+    return HOLD_STEPS
+
+
+def _decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
+                  floors: np.ndarray) -> Callable[[int], StepLoad]:
+    """The load of a decode step of the plan's rows at each depth: every emitting row's window at that
+    depth (caps, floors: of the emitting rows), each prompt chunk's context as `_context` counts it."""
+    chunks = sum(row.start_pos + row.num_tokens for row in plan.rows if row.is_prefill)
+    kv = np.array([0 if row.is_prefill else row.request.num_kv_tokens for row in plan.rows])[emits]
+    decoding = np.array([not row.is_prefill for row in plan.rows])[emits]
+
+    def load(depth: int) -> StepLoad:
+        window = np.maximum(np.minimum(caps, depth), floors) + 1
+        context = chunks + int(_pairs(window, kv)[decoding].sum())
+        return StepLoad(int(window.sum()), len(plan.rows), depth, False, context=context)
+
+    return load
 
 
 @dataclasses.dataclass
