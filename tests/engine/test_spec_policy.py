@@ -183,6 +183,22 @@ def test_each_slot_learns_from_its_own_windows_and_a_new_request_starts_from_the
     assert np.allclose(table.rates(np.array([0]), prior), prior)
 
 
+def test_a_spell_of_shallower_windows_keeps_what_a_request_learnt_of_the_deeper_depths():
+    """Windows that do not reach a depth say nothing of it: a request whose second drafts were accepted
+    keeps that estimate through 40 windows of one draft (decayed by them, its estimate of depth 2 was
+    the prior again), while its own depth-1 evidence keeps following its windows."""
+    table, prior = SlotAcceptance(num_slots=1, max_drafts=K, decay=0.9), np.full(K, 0.5)
+    for _ in range(20):
+        table.observe(np.array([0]), np.array([2]), np.array([2]))
+    before = table.rates(np.array([0]), prior)[0]
+    for i in range(40):  # one draft a window, accepted three times in four
+        table.observe(np.array([0]), np.array([1]), np.array([int(i % 4 < 3)]))
+    after = table.rates(np.array([0]), prior)[0]
+    assert before[1] > 0.8 and after[1] == before[1]
+    assert 0.6 < after[0] < 0.85  # depth 1 followed the last windows
+    assert np.allclose(after[2], prior[2])  # never tried
+
+
 def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
     """A request whose MTP KV has gaps beyond depth 1 (a step ran one depth) teaches the instance's prior
     its first depth only; its own estimate learns every depth."""
