@@ -71,19 +71,26 @@ class Speculation:
         self._depth = max_drafts  # the depth in use
         self.trace: StepTrace | None = None  # a debug trace of the policy's decisions (step_trace.py)
         self.schedule = DepthSchedule.from_env()  # a debug aid: every step's depth pinned by a schedule
+        # NOTE: per slot, its request's cap and whether a seed pins its drafts to it, set when the request takes
+        # the slot (as the device's slot state is): read from its Request per row and step, they cost ~0.5 us
+        # a row, and at 64 streams the policy's host work was 3% of the engine's throughput
+        self._slot_caps = np.full(num_slots, max_drafts, np.int64)
+        self._slot_pinned = np.zeros(num_slots, bool)
         self._forget_traffic()
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
+        for request in plan.inserts:
+            self._slot_caps[request.slot_id] = self._cap(request)
+            self._slot_pinned[request.slot_id] = _is_seeded_sample(request)
+        slots = np.fromiter((row.slot for row in plan.rows), np.int64, len(plan.rows))
+        caps = self._slot_caps[slots]
         if self.schedule is not None and self.forced is None:
             # NOTE: a seeded sample keeps its cap, as under the policy: its sample must not depend on the debug aid
-            caps = self._caps(plan)
-            pinned = np.array([_is_seeded_sample(row.request) for row in plan.rows], bool)
-            drafts = np.where(pinned, caps, np.minimum(caps, self.schedule.next_depth()))
+            drafts = np.where(self._slot_pinned[slots], caps, np.minimum(caps, self.schedule.next_depth()))
         elif self.adaptive and self.forced is None:
-            drafts = self._adaptive(plan)
+            drafts = self._adaptive(plan, slots, caps)
         else:
-            caps = self._caps(plan)
             drafts = caps if self.forced is None else np.minimum(caps, self.forced)
         depth = int(drafts.max(initial=0))
         if self.adaptive and depth == 0:
@@ -184,14 +191,15 @@ class Speculation:
                                 context=decode.context + round(chunk))
         return max(self.costs.device(mixed) - self.costs.device(decode), 0.0) / chunk
 
-    def _adaptive(self, plan: SchedulePlan) -> np.ndarray:
-        """The policy's drafts; while a decision holds and the step has the same rows as the last, the
-        last step's drafts.
+    def _adaptive(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """The policy's drafts for the plan's rows (their slots and caps [B]); while a decision holds and the
+        step has the same rows as the last, the last step's drafts.
 
         NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
         Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
         self._observe_load(plan)
-        key = tuple((row.slot, row.emits) for row in plan.rows)
+        emits = np.fromiter((row.emits for row in plan.rows), bool, len(plan.rows))
+        key = (slots.tobytes(), emits.tobytes())
         held = self._held
         if held is not None and held.steps and held.key == key and not plan.inserts:
             held.steps -= 1
@@ -203,31 +211,30 @@ class Speculation:
             self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64), hopeful=hopeful)
             if hopeful.any() and self._held is not None and first_doubt(self.instance.rates()) < self.max_drafts:
                 self._held.steps = 0  # NOTE: a hope is news: the held depth was decided without it
-        drafts = self._policy(plan, self._caps(plan))
+        drafts = self._policy(plan, slots, emits, caps)
         if self._held is not None:
             self._held.key, self._held.drafts = key, drafts
         return drafts
 
-    def _policy(self, plan: SchedulePlan, caps: np.ndarray) -> np.ndarray:
+    def _policy(self, plan: SchedulePlan, slots: np.ndarray, emits: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """One depth for the step from the rows that emit (spec_policy.py), then each emitting row's
         drafts. A prefill chunk that does not emit yet drafts nothing, but the depths the step runs
         write its MTP KV: a prompt gets that KV exactly when drafting is in use at this load. A pinned
         request drafts its cap (its floor) in every step it is in, so its MTP KV, and so its drafts,
         never depend on its neighbours."""
-        pinned = np.array([_is_seeded_sample(row.request) for row in plan.rows])
-        drafts = np.where(pinned, caps, 0)
-        emits = np.array([row.emits for row in plan.rows])
+        drafts = np.where(self._slot_pinned[slots], caps, 0)
         if not emits.any():
             return drafts
-        slots = np.array([row.slot for row in plan.rows], np.int64)
-        prior = self.instance.rates()
-        rates = self.requests.rates(slots[emits], prior)
         caps_e, floors = caps[emits], drafts[emits]
         held = self._held
-        if held is not None and held.num_emitting == len(caps_e) and held.steps:
+        if held is not None and held.steps and _same_load(held.num_emitting, len(caps_e)):
             held.steps -= 1
-            drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
+            if held.depth:  # NOTE: at depth 0 every row drafts its floor, and needs no estimate
+                rates = self.requests.rates(slots[emits], self.instance.rates())
+                drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
             return drafts
+        prior = self.instance.rates()
+        rates = self.requests.rates(slots[emits], prior)
         decode_load = _decode_loads(plan, emits, caps_e, floors)
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
@@ -274,9 +281,6 @@ class Speculation:
         if idle.size:
             self.requests.fade(idle, REQUEST_FADE)
 
-    def _caps(self, plan: SchedulePlan) -> np.ndarray:
-        return np.array([self._cap(row.request) for row in plan.rows], np.int64)
-
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
         return self.max_drafts if cap is None else min(cap, self.max_drafts)
@@ -307,10 +311,20 @@ def _pairs(width: _Count, kv: _Count) -> _Count:
     return width * (kv + width)
 
 
+def _same_load(held: int, now: int) -> bool:
+    """Whether a decision made at `held` emitting rows still holds at `now`: the same half octave of rows
+    (as `ServingExtra` measures them).
+
+    NOTE: at 16-64 streams the rows that emit change almost every step (a prompt's middle chunk does not
+    emit, its last one does; a request finishes), and a decision at each change was most of the policy's
+    host work."""
+    return ServingExtra.bucket(held) == ServingExtra.bucket(now)
+
+
 def _hold_length(held: _Hold | None, depth: int, num_emitting: int) -> int:
     """Steps a new decision holds for: HOLD_STEPS, or twice the last one's if it decided the same depth at
-    as many rows (MAX_HOLD_STEPS at most)."""
-    if held is not None and held.depth == depth and held.num_emitting == num_emitting:
+    about as many rows (`_same_load`; MAX_HOLD_STEPS at most)."""
+    if held is not None and held.depth == depth and _same_load(held.num_emitting, num_emitting):
         return min(2 * held.length, MAX_HOLD_STEPS)
     return HOLD_STEPS
 

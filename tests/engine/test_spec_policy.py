@@ -46,6 +46,12 @@ def caps(n: int, cap: int = K) -> np.ndarray:
     return np.full(n, cap, np.int64)
 
 
+def decide(spec: Speculation, plan: SchedulePlan) -> None:
+    """A decision of the policy on these decode rows (every one emits, each at its cap of K), held or not."""
+    n = len(plan.rows)
+    spec._policy(plan, np.array([row.slot for row in plan.rows], np.int64), np.ones(n, bool), caps(n))
+
+
 def test_expected_tokens_counts_the_bonus_and_each_accepted_prefix():
     got = expected_tokens(np.array([[0.5, 0.5, 0.5]]))
     assert np.allclose(got, [[1.0, 1.5, 1.75, 1.875]])
@@ -250,7 +256,7 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
     plan = SchedulePlan(tuple(decode_row(i) for i in range(rows)), (), (), ())
     spec.requests.tried[:] = 100.0  # NOTE: 100 windows' worth of evidence at the given rate per depth
     spec.requests.accepted[:] = 100.0 * acceptance
-    spec._policy(plan, caps(rows))
+    decide(spec, plan)
     return spec._depth
 
 
@@ -318,7 +324,7 @@ def busy_host_depth(added_ms: float) -> tuple[int, Speculation]:
     spec.requests.tried[:] = 100.0
     spec.requests.accepted[:] = 70.0
     spec._depth = 0
-    spec._policy(plan, caps(64))
+    decide(spec, plan)
     return spec._depth, spec
 
 

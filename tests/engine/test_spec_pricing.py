@@ -100,3 +100,30 @@ def test_a_decision_repeated_at_a_steady_load_holds_longer():
     assert decisions == expected
     spec.choose(SchedulePlan(rows[:3], (), (), ()))
     assert out.getvalue().count("#d ") == decisions + 1
+
+
+def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave():
+    """At 64 streams the rows that emit change almost every step (a prompt's middle chunk does not emit,
+    its last one does); a decision each time was most of the policy's host work. A decision made at 64
+    rows holds while 56-64 emit, and a step to 32 rows ends it at once."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    out = io.StringIO()
+    spec.trace = StepTrace(out)
+
+    def plan(chunks: int) -> SchedulePlan:
+        """64 rows of which the last `chunks` prefill a middle chunk (they do not emit)."""
+        rows = []
+        for i in range(64):
+            request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
+            request.num_kv_tokens = 300
+            prefill = i >= 64 - chunks
+            rows.append(ScheduledRow(request, 0, i, prefill, 64 if prefill else K + 1, 0, not prefill))
+        return SchedulePlan(tuple(rows), (), (), ())
+
+    spec.choose(plan(0))
+    assert out.getvalue().count("#d ") == 1
+    for step in range(HOLD_STEPS - 1):
+        spec.choose(plan(step % 8))  # 57-64 rows emit
+    assert out.getvalue().count("#d ") == 1
+    spec.choose(plan(32))
+    assert out.getvalue().count("#d ") == 2

@@ -19,12 +19,16 @@ from mtpserve.ipc.sampling_params import SamplingParams
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "step_trace.py"
 
 
-def decode_rows(n: int) -> SchedulePlan:
+def decode_rows(n: int, params: dict[int, SamplingParams] | None = None, admitted: bool = False) -> SchedulePlan:
+    """n greedy decode rows in slots 0..n-1 (`params`: other parameters by slot); `admitted`: the step that
+    admits them (the policy reads a request's cap and seed when it takes its slot)."""
     rows = []
     for i in range(n):
-        request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
+        request = Request(EngineRequest(i, (1, 2, 3), (params or {}).get(i, SamplingParams(temperature=0.0))), i, 0)
+        request.slot = i
         rows.append(ScheduledRow(request, 0, i, False, 4, 0, True))
-    return SchedulePlan(tuple(rows), (), (), ())
+    inserts = tuple(row.request for row in rows) if admitted else ()
+    return SchedulePlan(tuple(rows), inserts, (), ())
 
 
 def test_a_schedule_cycles_through_its_blocks_and_rejects_what_it_cannot_read():
@@ -38,11 +42,12 @@ def test_a_schedule_cycles_through_its_blocks_and_rejects_what_it_cannot_read():
 def test_a_schedule_pins_every_steps_depth_within_each_requests_cap(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "1x2,3x2")
     spec = Speculation(3, adaptive=True, num_slots=4)
-    plan = decode_rows(2)
-    plan.rows[1].request.params = SamplingParams(temperature=0.0, max_draft_tokens=2)
-    assert [spec.choose(plan).tolist() for _ in range(4)] == [[1, 1], [1, 1], [3, 2], [3, 2]]
-    plan.rows[0].request.params = SamplingParams(temperature=1.0, seed=7)  # a seeded sample keeps its cap
-    assert [spec.choose(plan).tolist() for _ in range(4)] == [[3, 1], [3, 1], [3, 2], [3, 2]]
+    capped = {1: SamplingParams(temperature=0.0, max_draft_tokens=2)}
+    spec.choose(decode_rows(2, capped, admitted=True))  # NOTE: the schedule's first step, at depth 1
+    assert [spec.choose(decode_rows(2, capped)).tolist() for _ in range(3)] == [[1, 1], [3, 2], [3, 2]]
+    seeded = {**capped, 0: SamplingParams(temperature=1.0, seed=7)}  # a seeded sample keeps its cap
+    spec.choose(decode_rows(2, seeded, admitted=True))
+    assert [spec.choose(decode_rows(2, seeded)).tolist() for _ in range(3)] == [[3, 1], [3, 2], [3, 2]]
     monkeypatch.delenv(SCHEDULE_ENV)
     assert Speculation(3, adaptive=True, num_slots=4).schedule is None
 
