@@ -28,7 +28,7 @@ from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
-HOLD_STEPS = 8  # steps a decision holds while the rows that emit stay as many
+HOLD_STEPS = 8  # steps a decision holds while about as many rows emit (the same half octave)
 # NOTE: a decision that repeats the one before it at as many rows holds twice as long, up to MAX_HOLD_STEPS:
 # a full decision costs ~150-250 us of Python, and the step's thread waits for the GIL meanwhile; at 16
 # rows, one every 8 steps was 1-2% of the engine's throughput where the depth never changed. A change in
@@ -347,15 +347,16 @@ def _decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
 
 @dataclasses.dataclass
 class _Hold:
-    """A decision of the policy and the steps it still holds for: its depth and slot cost while as many
-    rows emit, its drafts while the rows are the same (`key`: their slots and whether each emits)."""
+    """A decision of the policy and the steps it still holds for: its depth and slot cost while about as many
+    rows emit (`_same_load`), its drafts while the rows are the same (`key`: their slots and whether each
+    emits, as the arrays' bytes)."""
 
     num_emitting: int
     steps: int
     depth: int
     slot_cost: float
     length: int  # the steps it held for when decided
-    key: tuple[tuple[int, bool], ...] = ()
+    key: tuple[bytes, bytes] = (b"", b"")
     drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
 

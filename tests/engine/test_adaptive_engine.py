@@ -128,3 +128,45 @@ def test_the_start_up_profile_fits_a_short_model_length():
     profile_steps(core, batches=(1, 4), num_windows=4)
     assert core.speculation.costs.frozen and not core.has_unfinished_requests()
     core.close()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_each_request_drafts_within_its_own_cap_in_a_slot_another_request_held(adaptive):
+    """The policy reads a request's cap and whether a seed pins its drafts when the request takes its slot.
+    Two waves swap their caps over the same slots: every step keeps each request within its own cap (a
+    fixed k drafts exactly min(cap, K)), and a seeded sample drafts its cap in every step, adaptive or not."""
+    model = drafty_model(scale=0.5, **PACKED)
+    texts = iter(prompts(7, seed=9))
+    waves: list[dict[int | str, int | None]] = [{"a0": None, "a1": 0, "a2": 1},
+                                                 {"b0": 1, "b1": None, "b2": 0, "b3": 2}]
+    # NOTE: b3 is a seeded sample: its drafts are pinned to its cap
+    params = {rid: SamplingParams(temperature=1.0 if rid == "b3" else 0.0, seed=11 if rid == "b3" else None,
+                                  max_tokens=12, ignore_eos=True, max_draft_tokens=cap)
+              for wave in waves for rid, cap in wave.items()}
+    caps = {rid: cap for wave in waves for rid, cap in wave.items()}
+    core = make_core(model, K, adaptive=adaptive)
+    chosen: list[tuple[int | str, int]] = []
+    choose = core.speculation.choose
+
+    def recording(plan):
+        drafts = choose(plan)
+        chosen.extend((row.request.request_id, int(k)) for row, k in zip(plan.rows, drafts) if row.emits)
+        return drafts
+
+    core.speculation.choose = recording  # type: ignore[method-assign]
+    slots: dict[int | str, int] = {}
+    for wave in waves:
+        for rid in wave:
+            core.add_request(EngineRequest(rid, next(texts), params[rid]))
+        while core.has_unfinished_requests():
+            core.step()
+            slots.update((r.request_id, r.slot_id) for r in core.scheduler.running)
+    core.close()
+    assert {slots[rid] for rid in waves[1]} & {slots[rid] for rid in waves[0]}, "the second wave reuses slots"
+    assert {rid for rid, _ in chosen} == set(caps)
+    for rid, k in chosen:
+        own = caps[rid]
+        cap = K if own is None else own
+        assert k <= cap, (rid, k)
+        if rid == "b3" or not adaptive:
+            assert k == cap, (rid, k)
