@@ -29,10 +29,10 @@ from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
 HOLD_STEPS = 8  # steps a decision holds while about as many rows emit (the same half octave)
-# NOTE: a decision that repeats the one before it at as many rows holds twice as long, up to MAX_HOLD_STEPS:
-# a full decision costs ~150-250 us of Python, and the step's thread waits for the GIL meanwhile; at 16
-# rows, one every 8 steps was 1-2% of the engine's throughput where the depth never changed. A change in
-# the rows that emit, or a hope, still ends a hold at once.
+# NOTE: a decision that repeats the one before it at about as many rows holds twice as long, up to
+# MAX_HOLD_STEPS: a full decision costs ~150-250 us of Python, and the step's thread waits for the GIL
+# meanwhile; at 16 rows, one every 8 steps was 1-2% of the engine's throughput where the depth never changed.
+# A load that leaves the half octave, or a hope, still ends a hold at once.
 MAX_HOLD_STEPS = 64
 LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
 REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
