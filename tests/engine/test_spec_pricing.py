@@ -105,7 +105,7 @@ def test_a_decision_repeated_at_a_steady_load_holds_longer():
 def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave():
     """At 64 streams the rows that emit change almost every step (a prompt's middle chunk does not emit,
     its last one does); a decision each time was most of the policy's host work. A decision made at 64
-    rows holds while 56-64 emit, and a step to 32 rows ends it at once."""
+    rows holds while 57-64 emit, and a step to 32 rows ends it at once."""
     spec = Speculation(K, adaptive=True, num_slots=64)
     out = io.StringIO()
     spec.trace = StepTrace(out)
