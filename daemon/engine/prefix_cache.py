@@ -33,8 +33,13 @@ def chain_hashes(tokens: np.ndarray, block_size: int, root: bytes, known: list[b
     """`known` (hashes of the first blocks, kept) extended to every full block of `tokens` [N] int64.
 
     NOTE: 128 bits: with a billion blocks ever hashed, a collision has probability ~1e-21."""
+    return extend_hashes(known, root, tokens[len(known) * block_size:], block_size)
+
+
+def extend_hashes(known: list[bytes], root: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """`known` extended by the full blocks of `tokens` [N] int64, the tokens right after the blocks it covers."""
     parent = known[-1] if known else root
-    for j in range(len(known), tokens.shape[0] // block_size):
+    for j in range(tokens.shape[0] // block_size):
         block = np.ascontiguousarray(tokens[j * block_size:(j + 1) * block_size], np.int64)
         parent = hashlib.blake2b(parent + block.tobytes(), digest_size=16).digest()
         known.append(parent)
@@ -91,14 +96,14 @@ def beyond_cache(block_index: int, block_size: int, num_prefilled: int, num_mtp:
     return num_mtp >= 2 and (block_index + 1) * block_size > num_prefilled
 
 
-def cached_kv(block_index: int, block_size: int, num_prefilled: int, sequence: np.ndarray,
+def cached_kv(block_index: int, block_size: int, num_prefilled: int, lookahead: np.ndarray,
               num_mtp: int, mtp_depths: int) -> CachedKV | None:
     """The CachedKV of a request's full, written block (not `beyond_cache`); None while the tokens its
-    MTP KV read past its end are not all known yet (the next step's). `sequence`: the request's tokens
-    [N] (prompt + outputs)."""
+    MTP KV read past its end are not all known yet (the next step's). `lookahead`: the request's tokens
+    (prompt + outputs) known past the block's end, num_mtp at most."""
     end = (block_index + 1) * block_size
     if end + num_mtp - 1 > num_prefilled and num_mtp >= 2:
         return CachedKV(None, min(mtp_depths, num_mtp))  # NOTE: a depth >= 1 read the prefill's drafts
-    if sequence.shape[0] < end + num_mtp:
+    if lookahead.shape[0] < num_mtp:
         return None
-    return CachedKV(tuple(sequence[end:end + num_mtp].tolist()), min(mtp_depths, num_mtp))
+    return CachedKV(tuple(lookahead[:num_mtp].tolist()), min(mtp_depths, num_mtp))

@@ -108,10 +108,13 @@ class Request:
     def num_tokens(self) -> int:
         return int(self.prompt_ids.shape[0]) + len(self.output_ids)
 
-    @property
-    def sequence(self) -> np.ndarray:
-        """Every token it has [N] (prompt + outputs), int64."""
-        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Its tokens (prompt, then outputs) start..stop-1, fewer where they end, int64; only those are built."""
+        num_prompt = self.prompt_ids.shape[0]
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        outputs = np.asarray(self.output_ids[max(start - num_prompt, 0):stop - num_prompt], dtype=np.int64)
+        return outputs if start >= num_prompt else np.concatenate([self.prompt_ids[start:], outputs])
 
     @property
     def is_prefilling(self) -> bool:

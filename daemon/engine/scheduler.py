@@ -246,18 +246,22 @@ class Scheduler:
         """Offer the full blocks a finished step wrote to the prefix cache, in order."""
         bs, k = self.config.block_size, self.config.num_speculative_tokens
         num_full = min(request.num_kv_tokens // bs, len(request.block_ids))
-        sequence = None
         while request.num_blocks_cached < num_full:
             j = request.num_blocks_cached
             if prefix_cache.beyond_cache(j, bs, request.num_prefill_tokens, k):
                 request.num_blocks_cached = len(request.block_ids) + (1 << 30)
                 return
-            sequence = request.sequence if sequence is None else sequence
-            kv = prefix_cache.cached_kv(j, bs, request.num_prefill_tokens, sequence, k, request.mtp_depth)
+            end = (j + 1) * bs
+            # NOTE: the block and its lookahead, not the whole sequence: at 64 streams a block fills every
+            # few steps per row, and building each request's sequence for it was most of the cache's host work
+            kv = prefix_cache.cached_kv(j, bs, request.num_prefill_tokens, request.tokens(end, end + k), k,
+                                        request.mtp_depth)
             if kv is None:
                 return
-            hashes = prefix_cache.chain_hashes(sequence, bs, self.config.cache_salt, request.block_hashes)
-            self.blocks.register(request.block_ids[j], hashes[j], kv)
+            known = request.block_hashes
+            if len(known) <= j:
+                prefix_cache.extend_hashes(known, self.config.cache_salt, request.tokens(len(known) * bs, end), bs)
+            self.blocks.register(request.block_ids[j], known[j], kv)
             request.num_blocks_cached += 1
 
     def take_prefix_hits(self) -> list[tuple[RequestId, int]]:

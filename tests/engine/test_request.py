@@ -32,3 +32,15 @@ def test_preempt_recomputes_prompt_plus_outputs():
     req.preempt()
     assert req.prefill_ids.tolist() == [1, 2, 3, 9, 8]
     assert req.num_kv_tokens == 0 and req.epoch == 1 and req.is_prefilling
+
+
+def test_a_span_of_tokens_reads_across_the_prompt_and_the_outputs_and_stops_where_they_end():
+    """The prefix cache reads a block and the tokens past it this way: every span of prompt + outputs, as
+    slicing their concatenation gives it."""
+    req = Request(EngineRequest("r", (5, 6, 7, 8)), arrival=0, seed=7)
+    req.output_ids.extend([1, 2, 3])
+    whole = [5, 6, 7, 8, 1, 2, 3]
+    for start in range(len(whole) + 2):
+        for stop in range(start, len(whole) + 3):
+            span = req.tokens(start, stop)
+            assert span.dtype.name == "int64" and span.tolist() == whole[start:stop], (start, stop)
