@@ -48,6 +48,10 @@ class EngineConfig:
     max_model_len: int = key(0, "context length limit; 0: the model's own", min=0)
     max_prefill_chunk: int = key(512, "prompt tokens one request may prefill per step (chunked "
                                  "prefill keeps decodes flowing beside long prompts)", min=1)
+    max_prefill_tokens_decoding: int = key(512, "prompt tokens a step carries at most while some request "
+                                           "decodes (0: up to max_num_batched_tokens): a burst of prompts "
+                                           "then stretches each of a stream's token gaps by one such step "
+                                           "(~25 ms on a 2-core host), not by a whole budget's", min=0)
     block_size: int = key(16, "tokens per KV block", min=1, max=1024)
     num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)

@@ -22,6 +22,7 @@ from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.engine.synthetic_runner import SyntheticConfig, SyntheticRunner
+from mtpserve.host_memory import keep_freed_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model_adaptive and args.model is None:
         raise SystemExit("--model-adaptive compares engines on a real model: give --model DIR")
+    keep_freed_memory()  # NOTE: as a rank process does, so the in-process figures are the served engine's
     report: dict = {"benchmark": "engine", "synthetic": [], "model": []}
     for batch in [] if args.skip_synthetic else args.batch:
         for overlap in (False, True):

@@ -36,6 +36,7 @@ def core_config(model: ServingModel, engine: EngineConfig, runner: ModelRunnerCo
                 speculative: SpeculativeConfig, eos_token_ids: tuple[int, ...] = ()) -> CoreConfig:
     sched = SchedulerConfig(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
                             max_prefill_chunk=engine.max_prefill_chunk,
+                            max_prefill_tokens_decoding=engine.max_prefill_tokens_decoding,
                             num_speculative_tokens=runner.num_speculative_tokens, num_blocks=runner.num_blocks,
                             block_size=engine.block_size,
                             max_model_len=engine.max_model_len or model.config.max_position_embeddings,

@@ -1,7 +1,7 @@
 """A rank process: `python -m mtpserve.engine.rank_main <runtime_dir>/config.json --rank R`.
 
 1. Read the launcher's validated configuration; arrange to die with the launcher; bind rank and
-   instance to every log line.
+   instance to every log line; keep the heap a step frees for the next one (host_memory.py).
 2. Load the model and build the engine core; warm it up with one short request so the first client
    does not pay for first-call allocations.
 3. Attach to the output channel the launcher created, start the request channel and announce
@@ -26,6 +26,7 @@ import uvloop
 
 from mtpserve import log
 from mtpserve.config import Config
+from mtpserve.host_memory import keep_freed_memory
 from mtpserve.instance import instance_name, model_dir, read_config
 from mtpserve.lifecycle import die_with_parent, exit_now, watch_parent
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     log.configure(config.logging.level, config.logging.format, process="rank", rank=args.rank,
                   instance=instance_name(config))
     _dump_stacks_on_fault()
+    keep_freed_memory()
     return uvloop.run(serve_rank(config, args.config.resolve().parent, args.rank, parent))
 
 

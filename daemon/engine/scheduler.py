@@ -2,7 +2,8 @@
 
 Pure host policy, no device code. One call to `schedule()` plans one step:
   1. running requests in arrival order (FCFS): a decode window of k+1 tokens each, or the next
-     prefill chunk; KV for the window is reserved on top of what launched steps may still write;
+     prefill chunk; KV for the window is reserved on top of what launched steps may still write.
+     While any request decodes, the step's prompt tokens are capped (max_prefill_tokens_decoding);
   2. when KV runs out, the latest-arrived running request is preempted (recompute later) until the
      earlier one fits; nobody is admitted in a step that preempted;
   3. waiting requests in arrival order while a slot, token budget and KV blocks remain; the first
@@ -44,6 +45,7 @@ class SchedulerConfig:
     max_num_seqs: int = _ENGINE.max_num_seqs
     max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
     max_prefill_chunk: int = _ENGINE.max_prefill_chunk
+    max_prefill_tokens_decoding: int = _ENGINE.max_prefill_tokens_decoding  # 0: no cap of its own
     num_speculative_tokens: int = 0
     num_blocks: int = 1024
     block_size: int = _ENGINE.block_size
@@ -57,8 +59,8 @@ class SchedulerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.num_speculative_tokens < 0 or self.max_prefill_tokens_decoding < 0:
+            raise ValueError("num_speculative_tokens and max_prefill_tokens_decoding must be >= 0")
         if self.max_num_batched_tokens < self.decode_window:
             raise ValueError("max_num_batched_tokens must hold at least one decode window (k+1)")
 
@@ -112,6 +114,7 @@ class SchedulePlan:
 @dataclasses.dataclass
 class _PlanBuilder:
     budget: int
+    prefill_budget: int  # prompt tokens the step may still carry (within `budget`)
     rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
     inserts: list[Request] = dataclasses.field(default_factory=list)
     block_writes: list[BlockWrite] = dataclasses.field(default_factory=list)
@@ -171,7 +174,7 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
-        plan = _PlanBuilder(budget=self.config.max_num_batched_tokens)
+        plan = _PlanBuilder(self.config.max_num_batched_tokens, self._prefill_budget())
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING:
                 self._schedule_running(request, plan)
@@ -179,10 +182,19 @@ class Scheduler:
             self._admit_waiting(plan)
         return plan.build()
 
+    def _prefill_budget(self) -> int:
+        """Prompt tokens the next step may carry. NOTE: on a CPU host a step's time grows with its tokens
+        (~50 us each on the bundled model); a burst of 63 prompts that filled the whole 2,048-token budget
+        made every stream's next gaps ~100 ms, over 3x the p99 gap of a steady load."""
+        cap = self.config.max_prefill_tokens_decoding
+        if cap and any(not r.is_prefilling for r in self.running):
+            return min(cap, self.config.max_num_batched_tokens)
+        return self.config.max_num_batched_tokens
+
     def _schedule_running(self, request: Request, plan: _PlanBuilder) -> None:
         if self._is_surely_done(request):
             return
-        num_tokens = self._num_new_tokens(request, plan.budget)
+        num_tokens = self._num_new_tokens(request, plan)
         if num_tokens > 0 and self._reserve(request, num_tokens, plan):
             self._add_row(request, num_tokens, plan)
 
@@ -190,7 +202,7 @@ class Scheduler:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
             hit = self._prefix_hit(request)
-            num_tokens = self._num_new_tokens(request, plan.budget, skip=hit.num_computed)
+            num_tokens = self._num_new_tokens(request, plan, skip=hit.num_computed)
             needed = max(request.num_kv_tokens, hit.num_computed) + num_tokens
             if num_tokens <= 0 or not self._fits(request, hit, needed):
                 return
@@ -269,14 +281,14 @@ class Scheduler:
         hits, self._prefix_hits = self._prefix_hits, []
         return hits
 
-    def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
+    def _num_new_tokens(self, request: Request, plan: _PlanBuilder, skip: int = 0) -> int:
         """The next row's tokens; `skip`: prompt positions a prefix hit provides."""
         if not request.is_prefilling:
             # NOTE: the window verifies the drafts the policy had this request propose last step
             window = min(request.num_drafts, self.config.num_speculative_tokens) + 1
-            return window if budget >= window else 0
+            return window if plan.budget >= window else 0
         remaining = request.num_prefill_tokens - max(request.num_prefill_scheduled, skip)
-        return max(0, min(remaining, budget, self.config.max_prefill_chunk))
+        return max(0, min(remaining, plan.budget, plan.prefill_budget, self.config.max_prefill_chunk))
 
     def _is_surely_done(self, request: Request) -> bool:
         # NOTE: every launched emitting step yields at least one token unless the request stops, so
@@ -309,6 +321,7 @@ class Scheduler:
         start = request.num_prefill_scheduled
         if is_prefill:
             request.num_prefill_scheduled += num_tokens
+            plan.prefill_budget -= num_tokens
         emits = not request.is_prefilling
         plan.rows.append(ScheduledRow(request, request.epoch, request.slot_id, is_prefill, num_tokens,
                                       start, emits))

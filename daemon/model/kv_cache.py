@@ -6,6 +6,8 @@ import dataclasses
 
 import paddle
 
+from mtpserve.host_memory import advise_huge_pages
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -30,8 +32,8 @@ class KVCache:
         the keys' first kv_lora_rank columns, model/mla.py)."""
         shape = [(num_blocks + 1) * block_size, num_kv_heads, head_dim]
         kind = getattr(paddle, dtype)  # "float32" -> paddle.float32
-        k = [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
-        v = list(k) if shared_kv else [paddle.zeros(shape, dtype=kind) for _ in range(num_layers)]
+        k = [_zeros(shape, kind) for _ in range(num_layers)]
+        v = list(k) if shared_kv else [_zeros(shape, kind) for _ in range(num_layers)]
         return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
 
     @property
@@ -60,6 +62,14 @@ class KVCache:
         k = _gather_rows(self.k[layer], flat_slots).reshape(shape)
         v = _gather_rows(self.v[layer], flat_slots).reshape(shape)
         return k, v
+
+
+def _zeros(shape: list[int], dtype: paddle.dtype) -> paddle.Tensor:
+    """A zeroed cache tensor; in host memory, in huge pages where the kernel gives them (host_memory.py)."""
+    t = paddle.empty(shape, dtype=dtype)
+    if t.place.is_cpu_place():
+        advise_huge_pages(t.data_ptr(), t.numel().item() * t.element_size())
+    return t.zero_()
 
 
 def _bits(x: paddle.Tensor) -> paddle.Tensor:

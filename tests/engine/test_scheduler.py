@@ -86,6 +86,29 @@ def test_token_budget_caps_a_step_and_admission_is_fcfs():
     assert plan.num_tokens == 20
 
 
+def _burst_after(decoder_tokens, cap):
+    """A step's rows when six 16-token prompts arrive: after one request that is decoding (decoder_tokens
+    > 0), or with nothing running."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=16, max_prefill_tokens_decoding=cap,
+                                      num_blocks=256, block_size=4))
+    if decoder_tokens:
+        sched.add(make("d", decoder_tokens, max_tokens=50, arrival=0))
+        commit_plan(sched, sched.schedule(), np.random.default_rng(0), 0)
+    for i in range(6):
+        sched.add(make(f"p{i}", 16, arrival=i + 1))
+    plan = sched.schedule()
+    return [(row.request.request_id, row.num_tokens, row.is_prefill) for row in plan.rows]
+
+
+def test_while_a_request_decodes_a_step_carries_at_most_the_decoding_prompt_budget():
+    assert _burst_after(4, cap=24) == [("d", 1, False), ("p0", 16, True), ("p1", 8, True)]
+
+
+def test_with_nothing_decoding_or_no_cap_prompts_fill_the_whole_budget():
+    assert [n for _, n, _ in _burst_after(0, cap=24)] == [16, 16, 16, 16]
+    assert [n for _, n, _ in _burst_after(4, cap=0)] == [1, 16, 16, 16, 15]
+
+
 def test_decode_reserves_k_plus_1_per_inflight_window():
     k, bs = 3, 4
     sched = Scheduler(SchedulerConfig(num_speculative_tokens=k, num_blocks=64, block_size=bs))
