@@ -170,3 +170,29 @@ def test_each_request_drafts_within_its_own_cap_in_a_slot_another_request_held(a
         assert k <= cap, (rid, k)
         if rid == "b3" or not adaptive:
             assert k == cap, (rid, k)
+
+
+def test_greedy_rows_drafting_different_depths_in_one_step_keep_plain_greedy_output():
+    """Requests capped at 0, 1, 2 and 3 drafts share every step, so each step's windows differ in width and
+    its logits are computed once per distinct position (model_runner._logit_rows): every request's tokens
+    are still those of k=0."""
+    model = drafty_model(scale=0.5, **PACKED)
+    texts = prompts(8, seed=5)
+    caps = [0, 1, 2, None, 1, 0, 2, None]
+
+    def outputs(k: int) -> dict[int | str, list[int]]:
+        core = make_core(model, k, adaptive=False)
+        for i, (text, cap) in enumerate(zip(texts, caps)):
+            core.add_request(EngineRequest(f"r{i}", text, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                         ignore_eos=True, max_draft_tokens=cap)))
+        outs: dict[int | str, list[int]] = {}
+        while core.has_unfinished_requests():
+            out = core.step()
+            for j, rid in enumerate(out.request_ids):
+                outs.setdefault(rid, []).extend(out.tokens_of(j).tolist())
+        core.close()
+        return outs
+
+    mixed, plain = outputs(K), outputs(0)
+    assert all(len(v) == MAX_TOKENS for v in plain.values())
+    assert mixed == plain
