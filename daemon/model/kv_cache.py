@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import paddle
 
@@ -68,7 +69,7 @@ def _zeros(shape: list[int], dtype: paddle.dtype) -> paddle.Tensor:
     """A zeroed cache tensor; in host memory, in huge pages where the kernel gives them (host_memory.py)."""
     t = paddle.empty(shape, dtype=dtype)
     if t.place.is_cpu_place():
-        advise_huge_pages(t.data_ptr(), t.numel().item() * t.element_size())
+        advise_huge_pages(t.data_ptr(), math.prod(shape) * t.element_size())
     return t.zero_()
 
 
