@@ -24,8 +24,8 @@ import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
-from mtpserve.bench.serve_report import (acceptance, format_run, parse_chosen_drafts, parse_counters, plot, plot_compare,
-                                         plot_launched, summarize)
+from mtpserve.bench.serve_report import (PREFIX_COUNTERS, acceptance, format_run, parse_chosen_drafts, parse_counters,
+                                         plot, plot_compare, plot_launched, prefix_hit_rate, summarize)
 from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, load_tokenizer, shared_prefix_prompts
 from mtpserve.bench.serve_step_load import format_step_load, step_load
 from mtpserve.instance import BUNDLED_MODEL
@@ -75,6 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent before each level, not measured")
+    p.add_argument("--keep-prefix-cache", dest="reset_prefix_cache", action="store_false",
+                   help="do not empty the server's prefix cache before each level (by default each visit "
+                   "starts with POST /reset_prefix_cache where the server has it, as SGLang's bench flushes "
+                   "its cache: every level sends the same first prompts)")
     p.add_argument("--settle", type=float, default=0.5,
                    help="seconds to wait before scraping /metrics (engine stats arrive periodically)")
     p.add_argument("--out", type=Path, default=Path("serve-bench.json"))
@@ -187,6 +191,8 @@ async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, m
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
     low, high = args.step_load
     bodies = [request_body(args, model, p) for p in make_dataset(args)]
+    if args.reset_prefix_cache:
+        await reset_prefix_cache(session, args.base_url)
     return await step_load(session, _url(args), bodies, low, high, args.step_period, args.duration)
 
 
@@ -239,6 +245,8 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, model: str,
                     prompts: Sequence[Prompt], concurrency: int) -> dict:
     url, bodies = _url(args), [request_body(args, model, p) for p in prompts[:level_prompts(args, concurrency)]]
+    if getattr(args, "reset_prefix_cache", False):  # NOTE: peer and router benches pass their own namespaces
+        await reset_prefix_cache(session, args.base_url)
     await asyncio.gather(*(send_request(session, url, b) for b in bodies[:args.warmup]))
     await asyncio.sleep(args.settle)
     before, cpu_before = await _scrape(session, args.base_url), process_cpu_s(args.server_pid)
@@ -249,6 +257,7 @@ async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, mo
     await asyncio.sleep(args.settle)
     after = await _scrape(session, args.base_url)
     summary = summarize(results, duration, {**acceptance(before, after), **_per_request_spec(results)})
+    summary["prefix_cache_hit_rate"] = prefix_hit_rate(before, after)
     if args.server_pid is not None:
         summary["server_cpu_s"] = cpu
         summary["server_cpu_us_per_token"] = 1e6 * cpu / max(summary["total_output_tokens"], 1)
@@ -294,9 +303,25 @@ async def _scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, fl
     try:
         async with session.get(f"{base_url}/metrics") as resp:
             text = await resp.text()
-            return parse_counters(text) | parse_chosen_drafts(text) if resp.status == 200 else {}
+            if resp.status != 200:
+                return {}
+            return parse_counters(text) | parse_counters(text, PREFIX_COUNTERS) | parse_chosen_drafts(text)
     except aiohttp.ClientError:
         return {}
+
+
+async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> bool:
+    """POST /reset_prefix_cache; False where the server has no such endpoint (a peer) or refuses it.
+
+    NOTE: every level sends the same first prompts, so a cache that kept an earlier level's served this one
+    hits, and more of them on an instance with more KV blocks: a K=3 instance spends part of the same
+    kv_cache_mb on its depths' KV, so at 64 streams k0 kept ~1.7x the blocks of the adaptive instance."""
+    try:
+        # NOTE: an empty JSON object: mtpserve refuses a POST of another content type (415)
+        async with session.post(f"{base_url}/reset_prefix_cache", json={}) as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False
 
 
 def _per_request_spec(results: list[RequestResult]) -> dict:

@@ -12,6 +12,7 @@ from mtpserve.bench.serve_client import RequestResult
 PERCENTILES = (50, 90, 95, 99)
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 def parse_counters(text: str, names: tuple[str, ...] = SPEC_COUNTERS) -> dict[str, float]:
@@ -61,6 +62,13 @@ def acceptance(before: dict[str, float], after: dict[str, float]) -> dict:
             "chosen_drafts_share": chosen_shares(before, after)}
 
 
+def prefix_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Share of the prompt tokens looked up in the prefix cache whose KV it held, between two scrapes; None
+    where the server exports no such counters or looked nothing up."""
+    queries, hits = (after.get(k, 0.0) - before.get(k, 0.0) for k in PREFIX_COUNTERS)
+    return hits / queries if queries > 0 else None
+
+
 def summarize(results: list[RequestResult], duration: float, spec: dict) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -96,6 +104,8 @@ def format_run(label: str, s: dict) -> str:
              *([f"  drafts chosen (share of rows, k = 0, 1, ...): "
                 + " ".join(f"{share:.0%}" for share in s["spec_decode"]["chosen_drafts_share"])]
                if s["spec_decode"].get("chosen_drafts_share") else []),
+             *([f"  prefix cache hits: {s['prefix_cache_hit_rate']:.1%} of prompt tokens"]
+               if s.get("prefix_cache_hit_rate") is not None else []),
              *([f"  server CPU {s['server_cpu_s']:.2f}s = {s['server_cpu_us_per_token']:.1f} us/token"]
                if "server_cpu_s" in s else []),
              "  (ms)", row("TTFT", "ttft_ms"), row("TPOT", "tpot_ms"), row("ITL", "itl_ms"), row("E2E", "e2el_ms")]
