@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from mtpserve.bench.serve_client import RequestResult, send_request
+from mtpserve.bench.serve_client import RequestResult, reset_prefix_cache, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
 from mtpserve.bench.serve_report import (PREFIX_COUNTERS, acceptance, format_run, parse_chosen_drafts, parse_counters,
                                          plot, plot_compare, plot_launched, prefix_hit_rate, summarize)
@@ -308,20 +308,6 @@ async def _scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, fl
             return parse_counters(text) | parse_counters(text, PREFIX_COUNTERS) | parse_chosen_drafts(text)
     except aiohttp.ClientError:
         return {}
-
-
-async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> bool:
-    """POST /reset_prefix_cache; False where the server has no such endpoint (a peer) or refuses it.
-
-    NOTE: every level sends the same first prompts, so a cache that kept an earlier level's served this one
-    hits, and more of them on an instance with more KV blocks: a K=3 instance spends part of the same
-    kv_cache_mb on its depths' KV, so at 64 streams k0 kept ~1.7x the blocks of the adaptive instance."""
-    try:
-        # NOTE: an empty JSON object: mtpserve refuses a POST of another content type (415)
-        async with session.post(f"{base_url}/reset_prefix_cache", json={}) as resp:
-            return resp.status == 200
-    except aiohttp.ClientError:
-        return False
 
 
 def _per_request_spec(results: list[RequestResult]) -> dict:

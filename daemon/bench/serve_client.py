@@ -92,3 +92,17 @@ def _result(timing: _Timing, usage: dict) -> RequestResult:
         True, "", timing.start, (timing.first or timing.last) - timing.start, time.perf_counter() - timing.start,
         timing.itl, usage.get("prompt_tokens", 0), usage.get("completion_tokens", num_chunks), num_chunks,
         usage.get("spec_decode"))
+
+
+async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> bool:
+    """POST /reset_prefix_cache; False where the server has no such endpoint (a peer) or refuses it.
+
+    NOTE: every level sends the same first prompts, so a cache that kept an earlier level's served this one
+    hits, and more of them on an instance with more KV blocks: a K=3 instance spends part of the same
+    kv_cache_mb on its depths' KV, so at 64 streams k0 kept ~1.7x the blocks of the adaptive instance."""
+    try:
+        # NOTE: an empty JSON object: mtpserve refuses a POST of another content type (415)
+        async with session.post(f"{base_url}/reset_prefix_cache", json={}) as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False

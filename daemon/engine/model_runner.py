@@ -87,10 +87,12 @@ class PaddleModelRunner:
             win = self.state.window(plan)
             batch = self._forward_batch(plan, win)
             ctx = PagedContext(batch, self.kv)  # built once, reused by every MTP depth
-            rows, spread = self._logit_rows(plan, win.verify_index(plan.is_prefill, plan.verify_width).reshape(-1))
+            plain = self._is_plain_greedy(plan.slots)
+            index = win.verify_index(plan.is_prefill, plan.verify_width).reshape(-1)
+            rows, spread = self._logit_rows(plan, index, plain)
             out = self.model.forward_step(batch.input_ids, batch.positions, ctx, self._staged.stage("logit_rows", rows))
             logits = out.logits  # [B*W, V], or [N, V] at the distinct rows when spread is not None
-            v = self._decide(plan, logits, out.greedy, spread)
+            v = self._decide(plan, logits, out.greedy, plain, spread)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
@@ -139,7 +141,7 @@ class PaddleModelRunner:
             block_tables=stage("block_tables", tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
 
-    def _logit_rows(self, plan: StepPlan, index: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def _logit_rows(self, plan: StepPlan, index: np.ndarray, plain: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The flat token rows to compute logits at, from the verify rows `index` [B*W]; and, when those
         leave a window's padding out, each verify row's place among them [B*W] (else None).
 
@@ -148,7 +150,7 @@ class PaddleModelRunner:
         logits are computed once: the LM head is ~50 us a row on a 2-core host, and at 64 rows a step
         with a third of its rows drafting nothing computed ~21 padded rows, ~1 ms of a ~15 ms step, which
         the cost model (profiled at uniform depths) did not know mixing costs."""
-        if not self._is_plain_greedy(plan.slots) or (self.sampling.num_logprobs[plan.slots] >= 0).any():
+        if not plain or (self.sampling.num_logprobs[plan.slots] >= 0).any():
             return index, None
         first = np.ones(index.shape, bool)
         first[1:] = index[1:] != index[:-1]  # NOTE: rows are ascending, a row's repeats adjacent
@@ -156,12 +158,13 @@ class PaddleModelRunner:
             return index, None
         return index[first], np.cumsum(first) - 1
 
-    def _decide(self, plan: StepPlan, logits: paddle.Tensor, raw_greedy: paddle.Tensor | None,
+    def _decide(self, plan: StepPlan, logits: paddle.Tensor, raw_greedy: paddle.Tensor | None, plain: bool,
                 spread: np.ndarray | None = None) -> Verified:
         """Penalties and filters on every verify row, then greedy/rejection verification of decode
         rows and a plain draw for prefill rows. logits: [B*(k+1), V], k = the step's widest window;
-        raw_greedy: their argmax [B*(k+1)] if the forward made it. With `spread` (_logit_rows), a plain
-        greedy step's logits and argmax are at the distinct rows, and spread maps them back.
+        raw_greedy: their argmax [B*(k+1)] if the forward made it; plain: `_is_plain_greedy` of its rows.
+        With `spread` (_logit_rows), a plain greedy step's logits and argmax are at the distinct rows, and
+        spread maps them back.
 
         NOTE: a row verifying fewer drafts than k has its missing drafts set to -1, which no target
         equals and the sampled verifier rejects, so its window ends with a plain draw where it ends."""
@@ -169,7 +172,7 @@ class PaddleModelRunner:
         slots, b = plan.slots, plan.num_rows
         has_draft = np.arange(k)[None, :] < plan.num_drafts[:, None]  # [B, k]
         drafts = np.where(has_draft, self.state.drafts[slots, :k], -1)  # [B, k]
-        if spread is not None or self._is_plain_greedy(slots):
+        if plain:
             target = (paddle.argmax(logits, axis=-1) if raw_greedy is None else raw_greedy).numpy()
             return self._greedy(plan, (target if spread is None else target[spread]).reshape(b, k + 1), drafts)
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]

@@ -53,15 +53,20 @@ def run_waves(core: EngineCore, texts: list[tuple[int, ...]]) -> tuple[dict[int 
             core.add_request(EngineRequest(f"r{i}", texts[i], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                                              ignore_eos=True)))
         start += size
-        n = 0
-        while core.has_unfinished_requests():
-            out = core.step()
-            n += 1
-            for j, rid in enumerate(out.request_ids):
-                outs.setdefault(rid, []).extend(out.tokens_of(j).tolist())
-        steps.append(n)
+        steps.append(drain(core, outs))
     core.close()
     return outs, steps
+
+
+def drain(core: EngineCore, outs: dict[int | str, list[int]]) -> int:
+    """Step until every request finished, adding each one's tokens to `outs`; returns the steps taken."""
+    n = 0
+    while core.has_unfinished_requests():
+        out = core.step()
+        n += 1
+        for j, rid in enumerate(out.request_ids):
+            outs.setdefault(rid, []).extend(out.tokens_of(j).tolist())
+    return n
 
 
 def test_a_load_swinging_across_the_switching_point_keeps_greedy_output_and_never_stalls():
@@ -186,10 +191,7 @@ def test_greedy_rows_drafting_different_depths_in_one_step_keep_plain_greedy_out
             core.add_request(EngineRequest(f"r{i}", text, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                                          ignore_eos=True, max_draft_tokens=cap)))
         outs: dict[int | str, list[int]] = {}
-        while core.has_unfinished_requests():
-            out = core.step()
-            for j, rid in enumerate(out.request_ids):
-                outs.setdefault(rid, []).extend(out.tokens_of(j).tolist())
+        drain(core, outs)
         core.close()
         return outs
 
