@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,13 +117,15 @@ def freeze_heap() -> None:
 
 
 def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), num_windows: int = 8,
-                  passes: int = 3, contexts: tuple[int, int] = (32, 384), long_batches: int = 16) -> None:
+                  passes: int = 3, contexts: tuple[int, int] = (32, 384), long_batches: int = 16,
+                  prompts: tuple[int, ...] = (64, 256, 512)) -> None:
     """Run decode steps at a few batch sizes and every depth 0..K, at a short and a long context (prompt
     tokens; the long one up to `long_batches` rows), so the policy's device curves have seen every depth
     and how attention grows with context before the first client, then freeze them (spec_cost.py;
-    docs/speculation.md); a few seconds here. Each batch's prompts are prefilled once and then decode
-    `num_windows` steps at each depth in turn (a prompt's MTP KV gaps change what its drafts are worth,
-    not what a step costs).
+    docs/speculation.md); a few seconds here. Each batch's prompts are prefilled once, at depth K, and
+    then decode `num_windows` steps at each depth in turn (a prompt's MTP KV gaps change what its drafts
+    are worth, not what a step costs); after each pass, prompts of `prompts` tokens are prefilled alone at
+    every depth.
 
     NOTE: in `passes` rounds, each in another order, so that a burst of other work on the host lands in
     one round's samples of a cell and the cell's lower quartile (Curve.settle) leaves it out. Every row
@@ -135,6 +138,7 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     # NOTE: half the model's length and of each long row's share of the KV cache, so nothing is preempted
     room = config.num_blocks * config.block_size // (2 * max((b for b in sizes if b <= long_batches), default=1))
     lengths = [max(min(n, room, config.max_model_len // 2 or n), 1) for n in contexts]
+    prompt_lengths = tuple(sorted({max(min(n, room, config.max_model_len // 2 or n), 1) for n in prompts}))
     loads = [(batch, length) for length in lengths for batch in sizes if length == lengths[0] or batch <= long_batches]
     depths = list(range(spec.max_drafts + 1))
     wanted = num_windows * (spec.max_drafts + 1) * len(depths)
@@ -148,6 +152,7 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
             for request_id, n in zip(ids, serial):
                 prompt = tuple((7 * j + 131 * n) % (vocab - 1) + 1 for j in range(length))
                 core.add_request(EngineRequest(request_id, prompt, params))
+            _prefill(core, spec.max_drafts)
             for drafts in depths if round_ % 2 == 0 else reversed(depths):
                 spec.forced = drafts
                 for _ in range(num_windows):
@@ -155,11 +160,34 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
             for request_id in ids:
                 core.abort_request(request_id)
             _drain(core)
+        _profile_prompts(core, depths if round_ % 2 == 0 else depths[::-1], serial, prompt_lengths)
     spec.forced = None
     spec.costs.freeze()
-    # NOTE: the profile's prompt says nothing about what clients' drafts are worth
-    spec.forget_acceptance()
+    # NOTE: the profile's prompts say nothing of what clients' drafts are worth, nor its steps of serving's
+    spec.forget_profile()
     core.acceptance = AcceptanceStats(spec.max_drafts)
+
+
+def _profile_prompts(core: EngineCore, depths: list[int], serial: Iterator[int],
+                     lengths: tuple[int, ...]) -> None:
+    """One prompt of each length prefilled alone at each depth: what a prompt chunk's depths cost
+    (StepCosts.mixed_drafts), which the decode steps cannot say."""
+    vocab, params = core.runner.vocab_size, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    for depth in depths:
+        for length, n in zip(lengths, serial):
+            core.add_request(EngineRequest(-1, tuple((5 * j + 97 * n) % (vocab - 1) + 1 for j in range(length)),
+                                           params))
+            _prefill(core, depth)
+            _drain(core)
+
+
+def _prefill(core: EngineCore, depth: int) -> None:
+    """Step until every prompt is prefilled, running `depth` MTP depths over the prompt chunks (the
+    samples of StepCosts.mixed_drafts)."""
+    core.speculation.forced = depth
+    scheduler = core.scheduler
+    while scheduler.waiting or any(request.is_prefilling for request in scheduler.running):
+        core.step()
 
 
 def _drain(core: EngineCore) -> None:

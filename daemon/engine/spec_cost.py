@@ -10,15 +10,16 @@ finish to its own). Two layers:
    target(N): the device thread's time for everything but drafting (target pass over N tokens, LM head,
    verification, logprobs), one curve for decode-only steps and one for steps with a prefill chunk (a
    decode token is also a logit row, a prompt token is not, and on a small model the LM head costs as
-   much as a layer); depth(N): one MTP depth over the same N tokens; C: what the step's attention reads
-   (a decode window's (query token, key) pairs, a prompt chunk's positions), and a_target, a_depth what
-   each unit costs the target pass and a depth. The device thread's times
-   come from the step itself (`StepTiming`), taken where it already waits for the device, so timing adds
-   no sync. A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at
-   every depth, a few batch sizes and a short and a long context; then they are frozen.
+   much as a layer); depth(N): one MTP depth over the same N tokens (a step with a prefill chunk has a
+   curve per number of depths instead, `StepCosts` says why); C: what the step's attention reads (a
+   decode window's (query token, key) pairs, a prompt chunk's positions), and a_target, a_depth what
+   each unit costs the target pass and a depth. The device thread's times come from the step itself
+   (`StepTiming`), taken where it already waits for the device, so timing adds no sync. A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at
+   every depth, a few batch sizes and a short and a long context, and prompts alone at every depth;
+   then they are frozen.
 2. What serving adds to it (`ServingExtra`): the period less the device time, measured by the rows
-   that emit over every step. The host loop, the HTTP process and any client share the cores with the
-   device and add about as much to a step whatever it computes.
+   that emit, apart for steps with a prefill chunk and without. The host loop, the HTTP process and any
+   client share the cores with the device and add about as much to a step whatever depth it runs.
 
 Each curve is a `Curve`, measured per cell and read between cells by interpolation: no functional form is
 assumed (on a CPU the cost per token falls as batches grow, which a linear fit got wrong by 2x).
@@ -142,30 +143,57 @@ def _depth_prior(n: float) -> float:
 
 
 class StepCosts:
-    """The device's time for a step, as curves over what it computes:
+    """The device's time for a step, as curves over what it computes. A decode step:
 
         device = target(N) + a_target * C + D * (depth(N) + a_depth * C),
+
+    a step with a prefill chunk:
+
+        device = mixed(N) + a_target * C + drafts_D(N) + D * a_depth * C,
 
     N the target pass's tokens, C what its attention reads (`StepLoad.context`), D the depths.
 
     NOTE: attention grows with the rows' contexts, which N does not see: measured here at 16 rows,
     384-token prompts instead of 32 doubled a depth-0 step (2.2 -> 4.4 ms) and each depth's draft time
     (0.7 -> 1.5 ms), and curves over N alone, profiled at short contexts, charged a depth half of what it
-    costs in serving. A window's every token dots every key (speculation._context says what that did)."""
+    costs in serving. A window's every token dots every key (speculation._context says what that did).
+
+    NOTE: drafts_D, a curve per D, because a prompt's depths do not cost alike: the last depth runs its
+    layer's MLP and head at the frontier only, the depths before it over every position (their hidden
+    states feed the next). One 384-token prompt took 2.2 ms at one depth and 11.1 ms at three. Priced as
+    D times a decode step's depth, a prompt token cost 8.5 us at depth 1 where serving's prompt chunks
+    took 4.4 us (16 streams, code)."""
 
     def __init__(self) -> None:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps
         self.mixed = Curve(_target_prior)  # target(N) of steps with a prefill chunk
-        self.depth = Curve(_depth_prior)
+        self.depth = Curve(_depth_prior)  # depth(N) of decode-only steps
+        self._mixed_drafts: dict[int, Curve] = {}  # drafts_D(N) of steps with a prefill chunk, by D
         self.per_context_target = 0.0  # a_target: seconds per attended position (0 until profiled)
         self.per_context_depth = 0.0  # a_depth
         self.frozen = False
 
+    def mixed_drafts(self, depths: int) -> Curve:
+        """drafts_D: the draft time of a step with a prefill chunk at D depths (until it has samples,
+        D decode depths over as many tokens)."""
+        curve = self._mixed_drafts.get(depths)
+        if curve is None:
+            curve = self._mixed_drafts[depths] = Curve(lambda n: depths * self.depth(n))
+        return curve
+
     def device(self, load: StepLoad) -> float:
         """The device thread's time for a step like `load`, as the curves have it."""
         target = self.mixed if load.has_prefill else self.decode
-        depth = self.depth(load.num_tokens) + self.per_context_depth * load.context
-        return target(load.num_tokens) + self.per_context_target * load.context + load.depth * depth
+        attention = (self.per_context_target + load.depth * self.per_context_depth) * load.context
+        return target(load.num_tokens) + attention + self._drafts(load)
+
+    def _drafts(self, load: StepLoad) -> float:
+        """The depths' time for a step like `load`, less their attention."""
+        if not load.depth:
+            return 0.0
+        if load.has_prefill:
+            return self.mixed_drafts(load.depth)(load.num_tokens)
+        return load.depth * self.depth(load.num_tokens)
 
     def device_token_seconds(self, load: StepLoad) -> float:
         """What one more target-pass token per row adds to the device time of a step like `load`, per
@@ -181,6 +209,8 @@ class StepCosts:
         self.decode.settle(self.per_context_target)
         self.mixed.settle(self.per_context_target)
         self.depth.settle(self.per_context_depth)
+        for depths, curve in self._mixed_drafts.items():
+            curve.settle(depths * self.per_context_depth)
         self.frozen = True
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
@@ -190,46 +220,61 @@ class StepCosts:
             return
         target = self.mixed if load.has_prefill else self.decode
         if timing is None:
-            target.observe(load.num_tokens, max(seconds - load.depth * self.depth(load.num_tokens), 0.0),
-                           load.context)
+            target.observe(load.num_tokens, max(seconds - self._drafts(load), 0.0), load.context)
             return
         target.observe(load.num_tokens, timing.target_seconds, load.context)
-        if load.depth:
+        if not load.depth:
+            return
+        if load.has_prefill:
+            self.mixed_drafts(load.depth).observe(load.num_tokens, timing.draft_seconds, load.context)
+        else:
             self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth, load.context)
 
 
 class ServingExtra:
-    """What serving adds to the device time of a step, by the rows that emit (half octaves): a running
-    mean of the step's period less the device time the curves give for that very step, over every step.
+    """What serving adds to the device time of a step, by the rows that emit (half octaves), apart for
+    steps with a prefill chunk and without: a running mean of the step's period less the device time the
+    curves give for that very step.
 
     NOTE: the host's work per step, the HTTP process and the clients share the cores with the device. Added,
     not scaled: a period-to-device ratio differed 2x between steps with a prompt chunk and without, and
     carried to a deeper depth it charged that depth for contention it does not cause. What looked like
     serving's stretch of deeper steps (each depth 1.2-1.7x its quiet cost at 4-64 streams) was context:
     with the device curves measuring attention (`StepCosts`), the curves alone give serving's periods at
-    1-64 streams within ~10%, and what remains here is small."""
+    1-64 streams within ~10%, and what remains here is small.
+
+    NOTE: apart, because the two kinds miss in opposite directions. At 16 streams on code, decode steps
+    took 1.4 ms more than the quiet profile at depth 0 and at depth 1 alike, and steps with a prompt chunk
+    2-3 ms less (the profile's prefills carry no decode rows). One mean over both charged a decode step
+    ~0.45 ms too little: 12% of a depth-0 step, 7% of a depth-1 step, enough to tip the choice to depth 0."""
 
     WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps
     MIN_SAMPLES = 16
 
     def __init__(self) -> None:
-        self._mean: dict[int, float] = {}
-        self._count: dict[int, int] = {}
+        self._mean: dict[tuple[bool, int], float] = {}
+        self._count: dict[tuple[bool, int], int] = {}
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
         return round(2 * math.log2(max(num_emitting, 1)))
 
-    def observe(self, num_emitting: int, seconds: float, device: float) -> None:
-        key, extra = self.bucket(num_emitting), seconds - device
+    def observe(self, num_emitting: int, seconds: float, device: float, has_prefill: bool = False) -> None:
+        key, extra = (has_prefill, self.bucket(num_emitting)), seconds - device
         count = self._count[key] = self._count.get(key, 0) + 1
         weight = max(1.0 / count, self.WEIGHT)
         self._mean[key] = self._mean.get(key, extra) + weight * (extra - self._mean.get(key, extra))
 
-    def seconds(self, num_emitting: int) -> float:
-        """At these rows, else at the nearest rows measured, else nothing yet."""
-        known = [k for k, n in self._count.items() if n >= self.MIN_SAMPLES]
+    def seconds(self, num_emitting: int, has_prefill: bool = False) -> float:
+        """At these rows, else at the nearest rows measured, else nothing yet; never below 0 (a quiet
+        profile is the least a step costs)."""
+        return max(self.measured(num_emitting, has_prefill), 0.0)
+
+    def measured(self, num_emitting: int, has_prefill: bool = False) -> float:
+        """The mean itself, which is below 0 where serving's steps were shorter than the profile's curves
+        (a prefill chunk beside decode rows); for a kind of step not measured yet, a decode step's."""
+        known = [b for (kind, b), n in self._count.items() if kind == has_prefill and n >= self.MIN_SAMPLES]
         if not known:
-            return 0.0
+            return self.measured(num_emitting) if has_prefill else 0.0
         key = self.bucket(num_emitting)
-        return max(self._mean[min(known, key=lambda k: abs(k - key))], 0.0)
+        return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]

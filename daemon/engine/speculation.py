@@ -101,12 +101,17 @@ class Speculation:
         self.rows_by_drafts += np.bincount(drafts, minlength=self.max_drafts + 1)
         return drafts
 
-    def forget_acceptance(self) -> None:
-        """Keep the step costs, drop what was learnt of acceptance and of the traffic (after the start-up
-        profile: its prompts are not clients')."""
+    def forget_profile(self) -> None:
+        """Keep the step costs, drop what was learnt of acceptance, of the traffic and of what serving adds
+        to a step (after the start-up profile: its prompts are not clients', and its steps were timed
+        against curves still learning).
+
+        NOTE: the profile's steps had taught the extra of steps with a prompt chunk -6.4 ms at 16 rows,
+        which a running mean of serving's steps would take ~500 steps to forget."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
         self.requests.reset(np.arange(self.requests.tried.shape[0]))
         self.rows_by_drafts[:] = 0
+        self.extra = ServingExtra()
         self._forget_traffic()
 
     def _forget_traffic(self) -> None:
@@ -130,14 +135,15 @@ class Speculation:
         """A finished step: its load, its period, the device thread's times. Returns what the model made
         of it before learning from it."""
         device = self.costs.device(load)
-        prediction = Prediction(device, device + self.extra.seconds(load.num_emitting))
+        serving = self.extra.measured(load.num_emitting, load.has_prefill)
+        prediction = Prediction(device, max(device + serving, 0.0))
         if seconds <= 0:
             return prediction
         self.predicted_seconds += prediction.period
         self.measured_seconds += seconds
         self.costs.observe(load, seconds, timing)
         if load.num_emitting:
-            self.extra.observe(load.num_emitting, seconds, device)
+            self.extra.observe(load.num_emitting, seconds, device, load.has_prefill)
         return prediction
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -183,13 +189,15 @@ class Speculation:
         KV is written (a prompt prefilled without it drafts poorly all its life)."""
         return self._prompt_tokens / max(self._output_tokens, 1.0)
 
-    def _prefill_cost(self, decode: StepLoad) -> float:
-        """Seconds a prompt token adds to a decode step like `decode`: a typical chunk's share of the
-        difference between the step with it and without it, its depths included."""
+    def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
+        """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical
+        chunk's share of the difference between the step with it and without it, its depths included, as
+        serving has measured the two kinds of step."""
         chunk = max(self._chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
                                 context=decode.context + round(chunk))
-        return max(self.costs.device(mixed) - self.costs.device(decode), 0.0) / chunk
+        serving = self.extra.measured(num_emitting, has_prefill=True) - self.extra.measured(num_emitting)
+        return max(self.costs.device(mixed) + serving - self.costs.device(decode), 0.0) / chunk
 
     def _adaptive(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """The policy's drafts for the plan's rows (their slots and caps [B]); while a decision holds and the
@@ -245,7 +253,8 @@ class Speculation:
             well."""
             decode = decode_load(depth)
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            return self.costs.device(decode) + tokens * self._prefill_per_token() * self._prefill_cost(decode)
+            prompt = tokens * self._prefill_per_token() * self._prefill_cost(decode, len(caps_e))
+            return self.costs.device(decode) + prompt
 
         extra = self.extra.seconds(len(caps_e))
 

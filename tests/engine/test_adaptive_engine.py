@@ -105,7 +105,11 @@ def test_after_the_start_up_profile_the_engine_serves_and_reports_its_stats():
     model = drafty_model(scale=0.5, **PACKED)
     core = make_core(model, K, adaptive=True)
     profile_steps(core, batches=(1, 4), num_windows=4)
-    assert core.speculation.costs.frozen
+    costs = core.speculation.costs
+    assert costs.frozen
+    # NOTE: every number of depths has been timed over prompt chunks, and the profile's steps are not serving's
+    assert all(costs.mixed_drafts(depths)._known()[0] for depths in range(1, K + 1))
+    assert core.speculation.extra.measured(1) == 0.0
     texts = prompts(8, seed=5)
     for i, text in enumerate(texts):
         core.add_request(EngineRequest(f"s{i}", text, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))

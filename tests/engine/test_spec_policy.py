@@ -366,5 +366,5 @@ def test_the_traffic_means_start_at_their_first_sample_and_the_profile_leaves_no
     spec.choose(SchedulePlan((ScheduledRow(prompt, 0, 0, True, 256, 0, True),), (), (), ()))
     spec.observe_finished(256, 128)
     assert spec._chunk_tokens == 256 and spec._prefill_per_token() == 2.0
-    spec.forget_acceptance()
+    spec.forget_profile()
     assert spec._chunk_tokens == 0 and spec._prefill_per_token() == 0.0

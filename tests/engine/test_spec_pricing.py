@@ -1,12 +1,13 @@
-"""What the policy pays for what it decides: how it prices a step's attention, how a request that stopped
-drafting gets to draft again, and how often it decides at all (docs/speculation.md)."""
+"""What the policy pays for what it decides: how it prices a step's attention and its prompt chunks, how a
+request that stopped drafting gets to draft again, and how often it decides at all (docs/speculation.md)."""
 
 import io
 
 import numpy as np
+import pytest
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve
+from mtpserve.engine.spec_cost import Curve, ServingExtra, StepCosts, StepLoad
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.speculation import HOLD_STEPS, MAX_HOLD_STEPS, Speculation
 from mtpserve.engine.step_plan import StepTiming
@@ -127,3 +128,53 @@ def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave(
     assert out.getvalue().count("#d ") == 1
     spec.choose(plan(32))
     assert out.getvalue().count("#d ") == 2
+
+
+def test_a_prompt_chunk_is_priced_per_number_of_depths_as_measured():
+    """A device where a prompt's last depth costs 1 us a token and each depth before it 4 us (the last
+    computes its MLP and head at the frontier only), and a decode step's depth 4 us a token: a step with a
+    prompt chunk is priced per number of depths as its samples say, not as that many decode depths (which
+    charged one depth over a prompt twice what it cost); a number never measured falls back to those."""
+    costs = StepCosts()
+    for n in (64, 256, 512):
+        for _ in range(Curve.MIN_SAMPLES):
+            costs.observe(StepLoad(n, 1, 0, True), 0.0, StepTiming(30e-6 * n, 0.0))
+            for depths in (1, 2):
+                drafts = (1e-6 + 4e-6 * (depths - 1)) * n
+                costs.observe(StepLoad(n, 1, depths, True), 0.0, StepTiming(30e-6 * n, drafts))
+    for n in (8, 16, 32, 64):
+        for _ in range(Curve.MIN_SAMPLES):
+            costs.observe(StepLoad(n, n // 2, 1, False), 0.0, StepTiming(10e-6 * n, 4e-6 * n))
+    costs.freeze()
+    bare = costs.device(StepLoad(256, 1, 0, True))
+    one, two, three = (costs.device(StepLoad(256, 1, depths, True)) - bare for depths in (1, 2, 3))
+    assert one == pytest.approx(1e-6 * 256) and two == pytest.approx(5e-6 * 256)
+    assert three == pytest.approx(3 * 4e-6 * 256)  # never measured: three decode depths
+
+
+def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decode_steps():
+    """Measured at 16 streams on code: serving's decode steps took 1.4 ms more than the profile's curves,
+    its steps with a prompt chunk 2.5 ms less (the profile's prefills have no decode rows beside them).
+    A decode step is priced with the decode steps' extra alone (one mean over both priced it 0.45 ms
+    short, and the policy ran depth 0 where depth 1 was faster), and a prompt token with the difference."""
+    extra = ServingExtra()
+    assert extra.measured(16, has_prefill=True) == 0.0
+    for i in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(16, 4.1e-3, 2.7e-3)
+    assert extra.measured(16, has_prefill=True) == pytest.approx(1.4e-3)  # none measured: a decode step's
+    for i in range(10 * ServingExtra.MIN_SAMPLES):
+        extra.observe(16, 4.1e-3, 2.7e-3)
+        if i % 10 == 0:
+            extra.observe(16, 16e-3, 18.5e-3, has_prefill=True)
+    assert extra.seconds(16) == pytest.approx(1.4e-3)
+    assert extra.measured(16, has_prefill=True) == pytest.approx(-2.5e-3)
+    assert extra.seconds(16, has_prefill=True) == 0.0  # a period is never priced below the quiet profile's
+
+    spec = Speculation(K, adaptive=True, num_slots=16)
+    spec.extra = extra
+    spec._chunk_tokens = 256.0
+    decode = StepLoad(32, 16, 1, False, 16, 16 * 2 * 300)
+    mixed = decode._replace(num_tokens=32 + 256, has_prefill=True, context=decode.context + 256)
+    quiet = (spec.costs.device(mixed) - spec.costs.device(decode)) / 256
+    assert spec._prefill_cost(decode, 16) == pytest.approx(quiet - 3.9e-3 / 256)
+    assert spec.observe(decode, 5e-3, None).period == pytest.approx(spec.costs.device(decode) + 1.4e-3)
