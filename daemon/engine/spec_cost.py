@@ -14,9 +14,9 @@ finish to its own). Two layers:
    curve per number of depths instead, `StepCosts` says why); C: what the step's attention reads (a
    decode window's (query token, key) pairs, a prompt chunk's positions), and a_target, a_depth what
    each unit costs the target pass and a depth. The device thread's times come from the step itself
-   (`StepTiming`), taken where it already waits for the device, so timing adds no sync. A short profile at start-up (rank_setup.profile_steps), serving nobody yet, fills them at
-   every depth, a few batch sizes and a short and a long context, and prompts alone at every depth;
-   then they are frozen.
+   (`StepTiming`), taken where it already waits for the device, so timing adds no sync. A short profile
+   at start-up (rank_setup.profile_steps), serving nobody yet, fills them at every depth, a few batch
+   sizes and a short and a long context, and prompts alone at every depth; then they are frozen.
 2. What serving adds to it (`ServingExtra`): the period less the device time, measured by the rows
    that emit, apart for steps with a prefill chunk and without. The host loop, the HTTP process and any
    client share the cores with the device and add about as much to a step whatever depth it runs.
