@@ -135,7 +135,9 @@ class Speculation:
         """A finished step: its load, its period, the device thread's times. Returns what the model made
         of it before learning from it."""
         device = self.costs.device(load)
-        serving = self.extra.measured(load.num_emitting, load.has_prefill)
+        # NOTE: as the policy prices them: a decode step never below its quiet time, a chunk step by its own mean
+        serving = (self.extra.measured(load.num_emitting, has_prefill=True) if load.has_prefill
+                   else self.extra.seconds(load.num_emitting))
         prediction = Prediction(device, max(device + serving, 0.0))
         if seconds <= 0:
             return prediction
