@@ -169,9 +169,9 @@ def test_instance_flags_and_the_effective_configuration():
     route.add_parser(parser.add_subparsers())
     args = parser.parse_args(["route", "--serve-args", "--block-size 32", "--num-prompts", "6"])
     flags = route.instance_serve_args(args)
-    assert flags == "--log-level info --log-format json --num-kv-blocks 576 --block-size 32"
+    assert flags == "--log-level info --log-format json --num-kv-blocks 144 --block-size 32"
     engine = effective_engine_config(flags)
-    assert (engine["num_kv_blocks"], engine["block_size"]) == (576, 32)
+    assert (engine["num_kv_blocks"], engine["block_size"]) == (144, 32)
     zero = parser.parse_args(["route", "--num-kv-blocks", "0"])
     assert "--num-kv-blocks" not in route.instance_serve_args(zero)
     ns = route.serve_namespace(args, "http://router")
@@ -258,13 +258,13 @@ def test_the_command_compares_the_policies_through_the_router(tmp_path: Path):
     out = tmp_path / "route.json"
     done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "route", "--num-prefixes", "4",
                            "--prefix-len", "64", "--user-len", "16", "--output-len", "8", "--num-prompts", "16",
-                           "--concurrency", "4", "--num-kv-blocks", "64", "--settle", "0.6", "--no-progress",
+                           "--concurrency", "4", "--num-kv-blocks", "16", "--settle", "0.6", "--no-progress",
                            "--log-dir", str(tmp_path / "logs"), "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "hit rate cache_aware / round_robin" in done.stdout
     report = json.loads(out.read_text())
-    assert report["capacity"]["kv_blocks"] == 64 and report["capacity"]["kv_blocks_logged"] == [64, 64]
+    assert report["capacity"]["kv_blocks"] == 16 and report["capacity"]["kv_blocks_logged"] == [16, 16]
     assert report["capacity"]["prefix_tokens_max"] == 64 and report["capacity"]["prefixes_per_instance"] == 16
     assert [row["policy"] for row in report["rows"]] == ["cache_aware", "round_robin"]
     for row in report["rows"]:

@@ -22,7 +22,7 @@ from daemon_harness import Daemon, free_port, model_available, post_json, status
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="bundled model weights not present")
 
-BLOCK = 16  # the default [engine] block_size
+BLOCK = 16  # passed as --block-size: the short text then has several block boundaries
 TEXT = '''import os
 import sys
 
@@ -125,7 +125,7 @@ def hits_in_metrics(url: str) -> tuple[float, float]:
 
 
 def serve_and_compare(tmp_path: Path, tp: int, k: int) -> None:
-    args = ["--num-speculative-tokens", str(k), "--speculative-adaptive", "false"]
+    args = ["--num-speculative-tokens", str(k), "--speculative-adaptive", "false", "--block-size", str(BLOCK)]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--master-port", str(free_port())]
     daemon = Daemon.start(tmp_path / f"tp{tp}k{k}", *args)
@@ -156,7 +156,7 @@ def test_a_hit_answers_like_a_miss(tmp_path, tp, k):
 
 @pytest.mark.slow
 def test_a_prefill_instance_hit_answers_like_a_miss_through_the_router(tmp_path):
-    fixed = ("--speculative-adaptive", "false")
+    fixed = ("--speculative-adaptive", "false", "--block-size", str(BLOCK))
     prefill = Daemon.start(tmp_path / "p", "--role", "prefill", *fixed)
     decode = Daemon.start(tmp_path / "d", "--role", "decode", *fixed)
     port = free_port()

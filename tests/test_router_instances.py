@@ -25,7 +25,8 @@ SYSTEM = "You are a careful Python reviewer. Answer with code only, no prose, an
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    daemons = [Daemon.start(tmp_path / f"i{i}") for i in range(2)]
+    # NOTE: 16-token blocks: the system prompt then fills several, and most of each prompt is a hit
+    daemons = [Daemon.start(tmp_path / f"i{i}", "--block-size", "16") for i in range(2)]
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "mtpserve.cli", "router", "--instance",
                                *(d.url for d in daemons), "--port", str(port), "--health-interval", "0.2",

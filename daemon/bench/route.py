@@ -36,7 +36,7 @@ from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, requests_per_
 from mtpserve.instance import BUNDLED_MODEL
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-NUM_KV_BLOCKS = 576  # 9 prefixes of 1024 tokens at 16 tokens a block: the pair holds all 16, one does not
+NUM_KV_BLOCKS = 144  # 9 prefixes of 1024 tokens at 64 tokens a block: the pair holds all 16, one does not
 ROUTER_START_TIMEOUT_S = 120.0
 WARMUP_PROMPT = "def warm_up(router):\n"  # shares no block with the dataset's prompts
 

@@ -291,7 +291,8 @@ def test_factory_builds_a_working_engine_from_config_sections():
     from mtpserve.engine.engine_factory import build_model_engine
 
     model = drafty_model()
-    core = build_model_engine(model, EngineConfig(max_num_seqs=4, kv_cache_mb=1), SpeculativeConfig(2))
+    core = build_model_engine(model, EngineConfig(max_num_seqs=4, kv_cache_mb=1, block_size=16),
+                              SpeculativeConfig(2))
     assert core.scheduler.config.num_blocks == 1024 // 8 - 1  # 2 KiB per layer and block, 2 + 2 layers
     out = run(core, greedy_requests(prompts(3), 8), batch=4)
     assert all(len(tokens) == 8 for tokens in out.values())
