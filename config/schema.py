@@ -54,8 +54,8 @@ class EngineConfig:
                                            "(~25 ms on a 2-core host), not by a whole budget's", min=0)
     block_size: int = key(64, "tokens per KV block. CPU attention reads a request's blocks wherever they "
                           "lie in the pool, and once the prefix cache has cycled it they are scattered: "
-                          "64-token blocks served 1.03-1.06x of 16-token ones at 64 streams "
-                          "(docs/benchmarks.md); prefix hits come in whole blocks", min=1, max=1024)
+                          "64-token blocks served up to 1.06x of 16-token ones at 64 streams "
+                          "(docs/architecture.md, Host memory); prefix hits come in whole blocks", min=1, max=1024)
     num_kv_blocks: int = key(0, "KV blocks to allocate; 0: derive from kv_cache_mb", min=0)
     kv_cache_mb: int = key(512, "memory for the KV cache when num_kv_blocks is 0 (MiB)", min=1)
     kv_cache_dtype: str = key("auto", "KV cache dtype; auto: the compute dtype. float16 halves the KV memory "
