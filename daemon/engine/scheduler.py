@@ -247,7 +247,7 @@ class Scheduler:
         if hit.copy_from is not None:
             # NOTE: the source may be evicted by a later take in this same plan; the copy still reads
             # its content, since copies run before the step's forward pass writes anything
-            copy = self.blocks.take()
+            copy = self.blocks.take(after=request.block_ids[-1] if request.block_ids else None)
             request.block_ids.append(copy)
             plan.block_copies.append((hit.copy_from, copy))
         request.num_blocks_cached = hit.num_shared
