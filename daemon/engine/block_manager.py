@@ -113,10 +113,10 @@ class BlockManager:
         return new
 
     def take(self, after: int | None = None) -> int:
-        """One block for a table to write into: the block right after `after` (the table's last one) when
-        it is an old evictable one (`_continues_run`), else a free one, else the least recently released
-        evictable one. An evictable block taken leaves the cache."""
-        if after is not None and self._continues_run(after + 1):
+        """One block for a table to write into: a free one; else the block right after `after` (the table's
+        last one) when it is an old evictable one (`_continues_run`); else the least recently released
+        evictable one. An evictable block taken leaves the cache, so none does while free ones remain."""
+        if after is not None and not self._free and self._continues_run(after + 1):
             block = after + 1
             del self._evictable[block]
             self._forget(block)
@@ -137,7 +137,7 @@ class BlockManager:
         they lie anywhere in it: 64 decode rows over scattered 64-token blocks took 1.22-1.27x as long as
         over consecutive ones (`mtpserve bench attention --layouts`). A table that grows into the block
         after its last one keeps a run; a scheduler replay at 64 streams found 4% of neighbouring blocks
-        consecutive without this and 44% with it. Only older blocks, so that a prefix released recently
+        consecutive without this and 42% with it. Only older blocks, so that a prefix released recently
         (the likeliest to be matched again) still leaves in LRU order."""
         released = self._evictable.get(block)
         if released is None:

@@ -155,15 +155,18 @@ def test_eviction_takes_free_blocks_first_then_the_least_recently_released():
     assert blocks.lookup(hashes_of([9, 9, 9, 9])[0], ()) is not None
 
 
-def two_released_prompts() -> tuple[BlockManager, list[int], list[int]]:
+def two_released_prompts(drain_free: bool = True) -> tuple[BlockManager, list[int], list[int]]:
     """Six blocks: prompts A (blocks 0-2) and B (3-5) of 9 tokens, their two full blocks cached, both
-    released (A first): the LRU holds 1, 0, 4, 3 (a table goes last block first), blocks 2 and 5 are free."""
+    released (A first): the LRU holds 1, 0, 4, 3 (a table goes last block first). Their partial blocks 2
+    and 5 are free, unless `drain_free` has another table take them."""
     blocks = BlockManager(6, BS)
     a, b = list(range(1, 10)), list(range(20, 29))
     first, second = cache_prompt(blocks, a), cache_prompt(blocks, b)
     assert (first, second) == ([0, 1, 2], [3, 4, 5])
     blocks.free(first)
     blocks.free(second)
+    if drain_free:
+        assert blocks.grow([], 2 * BS) == [2, 5]
     return blocks, a, b
 
 
@@ -173,7 +176,16 @@ def test_a_growing_table_continues_into_the_old_cached_block_after_its_last():
     blocks.share(table)
     assert blocks.grow(table, 2 * BS) == [1], "block 1 follows block 0 and was released first: a run"
     assert blocks.lookup(hashes_of(a)[1], ()) is None, "it left the cache"
-    assert blocks.num_free_blocks == 4
+    assert blocks.num_free_blocks == 2
+    blocks.check()
+
+
+def test_no_cached_block_is_evicted_for_a_run_while_free_blocks_remain():
+    blocks, a, _ = two_released_prompts(drain_free=False)
+    table = [0]
+    blocks.share(table)
+    assert blocks.grow(table, 2 * BS) == [2]
+    assert blocks.lookup(hashes_of(a)[1], ()) is not None
     blocks.check()
 
 
@@ -181,18 +193,17 @@ def test_a_recently_released_block_is_not_taken_out_of_lru_order():
     blocks, _, b = two_released_prompts()
     table = [3]
     blocks.share(table)
-    assert blocks.grow(table, 2 * BS) == [2], "block 4 was released in the newer half: a free block instead"
+    assert blocks.grow(table, 2 * BS) == [1], "block 4 was released in the newer half: the LRU's oldest instead"
     assert blocks.lookup(hashes_of(b)[1], ()) is not None
-    assert blocks.grow(table, 3 * BS) == [5]
-    assert blocks.grow(table, 4 * BS) == [1], "then the least recently released, as before"
     blocks.check()
 
 
 def test_a_held_block_after_the_last_is_never_taken():
-    blocks = BlockManager(4, BS)
+    blocks = BlockManager(5, BS)
     holder = cache_prompt(blocks, list(range(1, 10)))  # blocks 0-2, 0 and 1 cached, all held
+    blocks.free(cache_prompt(blocks, list(range(20, 28))))  # blocks 3, 4 cached, released: the LRU holds 4, 3
     table = [0]
     blocks.share(table)
-    assert blocks.grow(table, 2 * BS) == [3], "block 1 is held: the free block instead"
+    assert blocks.grow(table, 2 * BS) == [4], "block 1 is held: the LRU's oldest instead"
     assert blocks.refs(1) == 1 and holder == [0, 1, 2]
     blocks.check()
