@@ -23,3 +23,21 @@ def test_the_command_compares_the_policy_with_every_k_round_by_round(tmp_path):
     assert all(len(rates) == 3 and min(rates) > 0 for rates in row["per_round"].values())
     assert row["best_fixed"] in ("k0", "k2") and row["adaptive_over_best"] > 0
     assert len(row["adaptive_rows_by_drafts"]) == 3 and sum(row["adaptive_rows_by_drafts"]) == pytest.approx(1, abs=0.01)
+
+
+@pytest.mark.skipif(not model_available(), reason="no bundled model")
+def test_a_closed_loop_round_times_every_request_and_the_pinned_runner_is_reported_against_k0(tmp_path):
+    out = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
+                           "--model", str(BUNDLED), "--model-adaptive", "--model-closed-loop", "--model-pin", "0",
+                           "--model-batch", "2", "--model-k", "0", "2", "--model-prompt-len", "32",
+                           "--model-max-tokens", "8", "--model-rounds", "2", "--model-temperature", "1.5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [row] = json.loads(out.read_text())["adaptive"]
+    assert row["closed_loop"] is True
+    assert set(row["decode_tokens_per_s"]) == {"k0", "k2", "adaptive", "k2@0"}
+    assert row["best_fixed"] in ("k0", "k2")  # the pinned runner is not a fixed k
+    assert set(row["over_k0_per_round"]) == {"k0", "k2", "adaptive", "k2@0"}
+    assert row["over_k0_per_round"]["k0"] == 1.0
+    assert "k2@0 / k0" in done.stdout

@@ -69,6 +69,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "against every k, in one process, rounds interleaved (engine_adaptive.py)")
     p.add_argument("--model-temperature", type=float, default=0.0,
                    help="model, with --model-adaptive: sampling temperature (0 = greedy)")
+    p.add_argument("--model-closed-loop", action="store_true",
+                   help="model, with --model-adaptive: keep --model-batch streams busy (3 x batch requests a "
+                        "round, a new one as each finishes) and time prefill and decode together, as served")
+    p.add_argument("--model-pin", type=int, nargs="*", default=[], metavar="DEPTH",
+                   help="model, with --model-adaptive: add the adaptive core's runner with every row's drafts "
+                        "pinned to each DEPTH (k<K>@<DEPTH>), which splits the K runner's cost from the policy's")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
     p.set_defaults(func=run)
@@ -77,6 +83,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model_adaptive and args.model is None:
         raise SystemExit("--model-adaptive compares engines on a real model: give --model DIR")
+    if any(not 0 <= depth <= max(args.model_k) for depth in args.model_pin):
+        raise SystemExit(f"--model-pin: a depth from 0 to the largest --model-k ({max(args.model_k)})")
     keep_freed_memory()  # NOTE: as a rank process does, so the in-process figures are the served engine's
     report: dict = {"benchmark": "engine", "synthetic": [], "model": []}
     for batch in [] if args.skip_synthetic else args.batch:
@@ -90,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
         report["model_dir"] = str(args.model)
         report["adaptive"] = run_adaptive_bench(args.model, args.model_batch, args.model_k, args.model_prompt_len,
-                                                args.model_max_tokens, args.model_rounds, args.model_temperature)
+                                                args.model_max_tokens, args.model_rounds, args.model_temperature,
+                                                args.model_closed_loop, args.model_pin)
     elif args.model is not None:
         from mtpserve.bench.engine_model import run_model_bench
 

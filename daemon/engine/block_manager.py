@@ -136,7 +136,7 @@ class BlockManager:
         NOTE: CPU attention reads a table's blocks in order, and once the prefix cache has cycled the pool
         they lie anywhere in it: 64 decode rows over scattered 64-token blocks took 1.22-1.27x as long as
         over consecutive ones (`mtpserve bench attention --layouts`). A table that grows into the block
-        after its last one keeps a run; a scheduler replay at 64 streams found 4% of neighbouring blocks
+        after its last one keeps a run; a scheduler replay at 64 streams found 3% of neighbouring blocks
         consecutive without this and 42% with it. Only older blocks, so that a prefix released recently
         (the likeliest to be matched again) still leaves in LRU order."""
         released = self._evictable.get(block)
