@@ -26,7 +26,7 @@ def test_the_command_compares_the_policy_with_every_k_round_by_round(tmp_path):
 
 
 @pytest.mark.skipif(not model_available(), reason="no bundled model")
-def test_a_closed_loop_round_times_every_request_and_the_pinned_runner_is_reported_against_k0(tmp_path):
+def test_a_closed_loop_round_serves_every_request_and_the_pinned_runner_is_reported_against_k0(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
                            "--model", str(BUNDLED), "--model-adaptive", "--model-closed-loop", "--model-pin", "0",
@@ -41,3 +41,10 @@ def test_a_closed_loop_round_times_every_request_and_the_pinned_runner_is_report
     assert set(row["over_k0_per_round"]) == {"k0", "k2", "adaptive", "k2@0"}
     assert row["over_k0_per_round"]["k0"] == 1.0
     assert "k2@0 / k0" in done.stdout
+    # NOTE: every core serves the same 3 x batch requests a round, ignore_eos, each of its documented length
+    # (0.75-1.25 x max tokens, spread by its index): a loop that stopped early or lost a request emits fewer
+    tokens = row["tokens_per_round"]
+    for r in range(2):
+        counts = {name: rounds[r] for name, rounds in tokens.items()}
+        assert len(set(counts.values())) == 1, counts
+        assert counts["k0"] == sum(max(1, round(8 * (0.75 + 0.5 * ((i * 37) % 64) / 64))) for i in range(6))

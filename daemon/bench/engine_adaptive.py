@@ -92,10 +92,11 @@ def _compare(cores: dict[str, EngineCore], prompts: list[tuple[int, ...]], batch
     adaptive = cores[ADAPTIVE].speculation
     before = adaptive.rows_by_drafts.copy()
     rates: dict[str, list[float]] = {name: [] for name in cores}
-    per_round = len(prompts) // rounds
+    emitted: dict[str, list[int]] = {name: [] for name in cores}
+    round_size = len(prompts) // rounds
     for r in range(rounds):
         order = list(cores) if r % 2 == 0 else list(reversed(cores))
-        round_prompts = prompts[r * per_round:(r + 1) * per_round]
+        round_prompts = prompts[r * round_size:(r + 1) * round_size]
         for name in order:
             if closed_loop:
                 seconds, tokens = _closed_loop(cores[name], f"{r}", round_prompts, batch, max_tokens, temperature)
@@ -105,6 +106,7 @@ def _compare(cores: dict[str, EngineCore], prompts: list[tuple[int, ...]], batch
                     cores[name].add_request(EngineRequest(f"{r}-{i}", prompt, params))
                 seconds, tokens = decode_window(cores[name], batch)
             rates[name].append(tokens / seconds)
+            emitted[name].append(tokens)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     fixed = [name for name in cores if name.startswith("k") and "@" not in name]
     best = max(fixed, key=medians.__getitem__)
@@ -118,7 +120,7 @@ def _compare(cores: dict[str, EngineCore], prompts: list[tuple[int, ...]], batch
                                    for name, values in rates.items()} if "k0" in rates else None),
             "closed_loop": closed_loop,
             "adaptive_rows_by_drafts": (rows / max(int(rows.sum()), 1)).round(3).tolist(),
-            "per_round": rates}
+            "per_round": rates, "tokens_per_round": emitted}
 
 
 def _closed_loop(core: EngineCore, tag: str, prompts: list[tuple[int, ...]], streams: int, max_tokens: int,
