@@ -136,8 +136,8 @@ class Speculation:
         of it before learning from it."""
         device = self.costs.device(load)
         # NOTE: as the policy prices them: a decode step never below its quiet time, a chunk step by its own mean
-        serving = (self.extra.measured(load.num_emitting, has_prefill=True) if load.has_prefill
-                   else self.extra.seconds(load.num_emitting))
+        serving = (self.extra.measured(load.num_emitting, True, load.depth) if load.has_prefill
+                   else self.extra.seconds(load.num_emitting, depth=load.depth))
         prediction = Prediction(device, max(device + serving, 0.0))
         if seconds <= 0:
             return prediction
@@ -145,7 +145,7 @@ class Speculation:
         self.measured_seconds += seconds
         self.costs.observe(load, seconds, timing)
         if load.num_emitting:
-            self.extra.observe(load.num_emitting, seconds, device, load.has_prefill)
+            self.extra.observe(load.num_emitting, seconds, device, load.has_prefill, load.depth)
         return prediction
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -198,7 +198,8 @@ class Speculation:
         chunk = max(self._chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
                                 context=decode.context + round(chunk))
-        serving = self.extra.measured(num_emitting, has_prefill=True) - self.extra.measured(num_emitting)
+        serving = (self.extra.measured(num_emitting, True, decode.depth)
+                   - self.extra.measured(num_emitting, depth=decode.depth))
         return max(self.costs.device(mixed) + serving - self.costs.device(decode), 0.0) / chunk
 
     def _adaptive(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -245,35 +246,38 @@ class Speculation:
             return drafts
         prior = self.instance.rates()
         rates = self.requests.rates(slots[emits], prior)
-        decode_load = _decode_loads(plan, emits, caps_e, floors)
+        loads = [_decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
 
-        def work(depth: int) -> float:
-            """Device seconds of a decode step of these rows at this depth, plus the prompts' share: each
-            emitted token brings `_prefill_per_token()` prompt tokens, and the depths run over those as
-            well."""
-            decode = decode_load(depth)
+        def prompts(depth: int) -> float:
+            """The prompts' share of a step at this depth: each emitted token brings `_prefill_per_token()`
+            prompt tokens, and the depths run over those as well."""
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            prompt = tokens * self._prefill_per_token() * self._prefill_cost(decode, len(caps_e))
-            return self.costs.device(decode) + prompt
+            return tokens * self._prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
 
-        extra = self.extra.seconds(len(caps_e))
+        def work(depth: int) -> float:
+            """Device seconds of a decode step of these rows at this depth, plus the prompts' share."""
+            return self.costs.device(loads[depth]) + prompts(depth)
+
+        def extra(depth: int) -> float:
+            return self.extra.seconds(len(caps_e), depth=depth)
 
         def period(depth: int) -> float:
             """The device time of this load at this depth, plus what serving adds to a step of these rows
-            (the same whatever the depth)."""
-            return work(depth) + extra
+            at this depth."""
+            return work(depth) + extra(depth)
 
         depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
         if self.trace is not None:
             depths = range(self.max_drafts + 1)
             self.trace.decision(len(caps_e), depth, [float(gain[emitting, np.maximum(np.minimum(caps_e, d), floors)]
-                                                               .sum()) for d in depths], [period(d) for d in depths])
+                                                               .sum()) for d in depths], [period(d) for d in depths],
+                                [prompts(d) for d in depths], [extra(d) for d in depths])
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
-        slot_cost = step_rate * self.costs.device_token_seconds(decode_load(depth))
+        slot_cost = step_rate * self.costs.device_token_seconds(loads[depth])
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
         # NOTE: a decision that has a hopeful request draft the depth it hopes for rests on one window's
         # worth of hope, and the next verdict is worth deciding on. Held for HOLD_STEPS, every hopeful

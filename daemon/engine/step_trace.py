@@ -3,7 +3,8 @@
 - `MTP_STEP_TRACE=<prefix>`: each rank process appends one line per finished step to `<prefix>.<pid>`:
   the time, what the step computed (`StepLoad`), its period, the device thread's times, what the cost
   model made of it, and the tokens it emitted (`COLUMNS`); and a `#d` line per decision of the policy:
-  the rows that emit, the depth chosen, and per depth the expected tokens and the priced period.
+  the rows that emit, the depth chosen, and per depth the expected tokens, the priced period, the
+  prompts' share of it and what serving adds to it.
 - `MTP_DEPTH_SCHEDULE=<depth>x<steps>,...` (e.g. `0x60,1x10,0x60,1x60`): every step's drafts are capped
   at the schedule's depth, in a cycle, instead of the policy's choice; with the trace, steady runs of each
   depth and short excursions to another can be compared in one process, at one moment of the host.
@@ -45,8 +46,11 @@ class StepTrace:
     def flush(self) -> None:
         self._out.flush()
 
-    def decision(self, num_emitting: int, depth: int, tokens: list[float], periods: list[float]) -> None:
-        figures = " ".join(f"{t:.1f}/{p * 1e3:.2f}" for t, p in zip(tokens, periods))
+    def decision(self, num_emitting: int, depth: int, tokens: list[float], periods: list[float],
+                 prompts: list[float], extras: list[float]) -> None:
+        """Per depth: expected tokens / priced period / the prompts' share of it / what serving adds (ms)."""
+        figures = " ".join(f"{t:.1f}/{p * 1e3:.2f}/{q * 1e3:.2f}/{e * 1e3:.2f}"
+                           for t, p, q, e in zip(tokens, periods, prompts, extras))
         self._out.write(f"#d {time.monotonic():.4f} {num_emitting} {depth} {figures}\n")
 
     def record(self, load: StepLoad, period: float, timing: StepTiming | None, quiet: float, predicted: float,

@@ -341,6 +341,49 @@ def test_host_work_per_step_makes_drafting_pay():
     assert spec.measured_seconds > 0 and spec.predicted_seconds > 0
 
 
+def test_a_depth_that_has_run_is_priced_by_what_its_own_steps_took():
+    """Serving adds 1 ms to a depth-0 step of 64 rows and 10 ms to a depth-1 step (a launch whose profile
+    priced depth 1 low). Once depth 1 has run, depth 0 is priced with its own 1 ms, not with the 10 ms
+    learnt at the depth in use, and the policy goes back to it."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    for n, ms in {64: 6.6, 128: 11.3}.items():
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
+    spec.costs.freeze()
+    for depth, tokens, added_ms in ((0, 64, 1.0), (1, 128, 10.0)):
+        load = StepLoad(tokens, 64, depth, False, 64)
+        for _ in range(200):
+            spec.observe(load, spec.costs.device(load) + added_ms * 1e-3, None)
+    assert spec.extra.seconds(64, depth=0) == pytest.approx(1e-3)
+    assert spec.extra.seconds(64, depth=1) == pytest.approx(10e-3, rel=0.01)
+    assert spec.extra.seconds(64, depth=2) == pytest.approx(10e-3, rel=0.05)  # never ran: every depth's mean
+    plan = SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ())
+    spec.requests.tried[:] = 100.0
+    spec.requests.accepted[:] = 70.0
+    spec._depth = 1
+    decide(spec, plan)
+    assert spec._depth == 0
+
+
+def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_then_afresh():
+    """A depth's own price is recent or not used: serving's share of the cores moves, and a price learnt in
+    a busy spell would otherwise keep the policy off that depth for good."""
+    extra = ServingExtra()
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(4, 5e-3, 2e-3, depth=2)  # a busy spell at depth 2
+    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)
+    for _ in range(ServingExtra.STALE_STEPS):
+        extra.observe(4, 1.5e-3, 1e-3, depth=1)
+    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)  # still recent
+    extra.observe(4, 1.5e-3, 1e-3, depth=1)
+    assert extra.seconds(4, depth=2) == pytest.approx(0.5e-3)  # not: every depth's mean, the depth in use's
+    for i in range(ServingExtra.MIN_SAMPLES):
+        assert extra.seconds(4, depth=2) < 1e-3  # run again: not priced by the old spell meanwhile
+        extra.observe(4, 2.8e-3, 2e-3, depth=2)
+    assert extra.seconds(4, depth=2) == pytest.approx(0.8e-3)  # its own again, from its new steps alone
+
+
 def test_what_serving_adds_is_kept_per_emitting_rows():
     extra = ServingExtra()
     assert extra.seconds(64) == 0.0  # nothing measured yet
