@@ -48,3 +48,13 @@ def test_a_closed_loop_round_serves_every_request_and_the_pinned_runner_is_repor
         counts = {name: rounds[r] for name, rounds in tokens.items()}
         assert len(set(counts.values())) == 1, counts
         assert counts["k0"] == sum(max(1, round(8 * (0.75 + 0.5 * ((i * 37) % 64) / 64))) for i in range(6))
+
+
+@pytest.mark.parametrize("option", [["--model-pin", "0"], ["--model-closed-loop"], ["--model-temperature", "1.5"]])
+def test_an_option_of_the_adaptive_comparison_without_it_is_refused(tmp_path, option):
+    done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
+                           "--model", str(BUNDLED), *option, "--out", str(tmp_path / "engine.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"{option[0]}: only with --model-adaptive" in done.stderr
+    assert not (tmp_path / "engine.json").exists()

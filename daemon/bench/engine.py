@@ -83,6 +83,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model_adaptive and args.model is None:
         raise SystemExit("--model-adaptive compares engines on a real model: give --model DIR")
+    # NOTE: refused, not ignored: a run without the option it was asked for reports figures of another run
+    needs_adaptive = [name for name, given in (("--model-pin", args.model_pin),
+                                               ("--model-closed-loop", args.model_closed_loop),
+                                               ("--model-temperature", args.model_temperature)) if given]
+    if needs_adaptive and not args.model_adaptive:
+        raise SystemExit(f"{', '.join(needs_adaptive)}: only with --model-adaptive")
     if any(not 0 <= depth <= max(args.model_k) for depth in args.model_pin):
         raise SystemExit(f"--model-pin: a depth from 0 to the largest --model-k ({max(args.model_k)})")
     keep_freed_memory()  # NOTE: as a rank process does, so the in-process figures are the served engine's

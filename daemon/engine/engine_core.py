@@ -180,7 +180,9 @@ class EngineCore(Generic[R]):
         num_drafts = np.array([row.num_tokens - 1 for row in rows], np.int64)
         num_accepted = result.num_accepted[verified]
         self.acceptance.observe(num_accepted, num_drafts)
-        if rows and self.speculation.adaptive:
+        # NOTE: only a drafted window teaches acceptance: at depth 0 (64 streams) the two per-row arrays
+        # below were built every step for nothing
+        if rows and self.speculation.adaptive and num_drafts.any():
             self.speculation.observe_windows(np.array([row.slot for row in rows], np.int64), num_drafts,
                                              num_accepted, np.array([row.request.mtp_depth for row in rows]))
         return out.build(result.step_id)
