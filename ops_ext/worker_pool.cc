@@ -52,12 +52,17 @@ class Pool {
     }
     std::lock_guard<std::mutex> one_call(call_mu_);
     const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
-    job_.store(&fn, std::memory_order_relaxed);
-    size_.store(n, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
     // NOTE: the ticket carries the generation, so a worker still holding an older call's job can never
-    // claim an item of this one (its compare-exchange names the old generation).
+    // claim an item of this one (its compare-exchange names the old generation). It is closed to the last
+    // call first, and the job and size are released after it: a worker late to the last call that reads
+    // this call's job or size (Loop) then finds this ticket, not the last one's spent ticket. Stored
+    // after them, a size larger than the last call's left items of the spent ticket to claim, run with this
+    // job (or the last one's, past its size), and counted in this call's done_, so Run could return while
+    // an item still ran.
     ticket_.store(gen << kIndexBits, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    job_.store(&fn, std::memory_order_release);
+    size_.store(n, std::memory_order_release);
     generation_.store(gen, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(sleep_mu_);  // NOTE: orders the store before a sleeper's check
@@ -101,8 +106,9 @@ class Pool {
     for (;;) {
       uint64_t gen = WaitFor(seen);
       seen = gen;
-      const auto* fn = job_.load(std::memory_order_relaxed);
-      const int64_t n = size_.load(std::memory_order_relaxed);
+      // NOTE: acquire: a job or size newer than `gen` comes with its call's ticket (Run)
+      const auto* fn = job_.load(std::memory_order_acquire);
+      const int64_t n = size_.load(std::memory_order_acquire);
       Work(gen, *fn, n);
     }
   }
