@@ -55,7 +55,9 @@ async def test_no_body_gets_a_server_error(fake_server, session, path):
     base_url, _ = fake_server
     bodies = []
 
-    @settings(max_examples=200, deadline=None, database=None,
+    # NOTE: derandomized, and 400: drawn afresh each run, 200 bodies held as few as 7 the server accepts
+    # (one CI run), under the 10 that show the success path was exercised
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True,
               suppress_health_check=[h for h in HealthCheck if isinstance(h, HealthCheck)])
     @given(body_strategy(path))
     def collect(body):
