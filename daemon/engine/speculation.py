@@ -256,17 +256,13 @@ class Speculation:
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
             return tokens * self._prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
 
-        def work(depth: int) -> float:
-            """Device seconds of a decode step of these rows at this depth, plus the prompts' share."""
-            return self.costs.device(loads[depth]) + prompts(depth)
-
         def extra(depth: int) -> float:
             return self.extra.seconds(len(caps_e), depth=depth)
 
         def period(depth: int) -> float:
-            """The device time of this load at this depth, plus what serving adds to a step of these rows
-            at this depth."""
-            return work(depth) + extra(depth)
+            """The device time of a decode step of these rows at this depth, the prompts' share, and what
+            serving adds to a step of these rows at this depth."""
+            return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
         depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
         if self.trace is not None:

@@ -366,40 +366,6 @@ def test_a_depth_that_has_run_is_priced_by_what_its_own_steps_took():
     assert spec._depth == 0
 
 
-def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_then_afresh():
-    """A depth's own price is recent or not used: serving's share of the cores moves, and a price learnt in
-    a busy spell would otherwise keep the policy off that depth for good."""
-    extra = ServingExtra()
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(4, 5e-3, 2e-3, depth=2)  # a busy spell at depth 2
-    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)
-    for _ in range(ServingExtra.STALE_STEPS):
-        extra.observe(4, 1.5e-3, 1e-3, depth=1)
-    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)  # still recent
-    extra.observe(4, 1.5e-3, 1e-3, depth=1)
-    assert extra.seconds(4, depth=2) == pytest.approx(0.5e-3)  # not: every depth's mean, the depth in use's
-    for i in range(ServingExtra.MIN_SAMPLES):
-        assert extra.seconds(4, depth=2) < 1e-3  # run again: not priced by the old spell meanwhile
-        extra.observe(4, 2.8e-3, 2e-3, depth=2)
-    assert extra.seconds(4, depth=2) == pytest.approx(0.8e-3)  # its own again, from its new steps alone
-
-
-def test_what_serving_adds_is_kept_per_emitting_rows():
-    extra = ServingExtra()
-    assert extra.seconds(64) == 0.0  # nothing measured yet
-    for i in range(ServingExtra.MIN_SAMPLES - 1):
-        device = 10e-3 if i % 2 else 40e-3  # with a prompt chunk and without
-        extra.observe(64, device + 9e-3, device)
-    assert extra.seconds(64) == 0.0  # not enough steps yet
-    extra.observe(64, 34e-3, 25e-3)
-    assert extra.seconds(64) == pytest.approx(9e-3)
-    assert extra.seconds(60) == pytest.approx(9e-3)  # the same half octave of emitting rows
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(4, 2e-3, 1.5e-3)
-    assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
-
-
-
 def test_the_traffic_means_start_at_their_first_sample_and_the_profile_leaves_none():
     """A first request of a 256-token prompt and 128 tokens out is the traffic at once (a mean starting at
     0 took ~20 requests to reach it, charging early prompts ~10x); the start-up profile's own prompts are
