@@ -288,6 +288,10 @@ class ServingExtra:
         _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
         self._depth_seen[own] = self._count[key]
 
+    def _has_own(self, own: tuple[bool, int, int]) -> bool:
+        """Whether a depth's own mean prices it: enough steps, and recent."""
+        return self._depth_count.get(own, 0) >= self.MIN_SAMPLES and self._is_recent(own)
+
     def _is_recent(self, own: tuple[bool, int, int]) -> bool:
         seen = self._depth_seen.get(own)
         return seen is not None and self._count[own[:2]] - seen <= self.STALE_STEPS
@@ -302,12 +306,26 @@ class ServingExtra:
         (a prefill chunk beside decode rows); for a kind of step not measured yet, a decode step's."""
         key = self.bucket(num_emitting)
         own = (has_prefill, key, depth if depth is not None else -1)
-        if self._depth_count.get(own, 0) >= self.MIN_SAMPLES and self._is_recent(own):
+        if self._has_own(own):
             return self._depth_mean[own]
         known = [b for (kind, b), n in self._count.items() if kind == has_prefill and n >= self.MIN_SAMPLES]
         if not known:
             return self.measured(num_emitting, depth=depth) if has_prefill else 0.0
         return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]
+
+    def chunk_extra(self, num_emitting: int, depth: int) -> float:
+        """What serving adds to a step with a prompt chunk beyond what it adds to a decode step, at these
+        rows and depth: from this depth's own means when it has both kinds, else from every depth's.
+
+        NOTE: from one source. Where a depth had its own decode mean and not yet its own chunk mean, the
+        difference of `measured`'s two figures took the chunk steps of every depth less the decode steps
+        of this one: this depth's own correction entered the prompts' share with the opposite sign to the
+        one it has in the decode step's price."""
+        key = self.bucket(num_emitting)
+        mixed, decode = (True, key, depth), (False, key, depth)
+        if self._has_own(mixed) and self._has_own(decode):
+            return self._depth_mean[mixed] - self._depth_mean[decode]
+        return self.measured(num_emitting, True) - self.measured(num_emitting)
 
 
 _Key = TypeVar("_Key", tuple[bool, int], tuple[bool, int, int])

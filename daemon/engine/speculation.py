@@ -22,6 +22,7 @@ import numpy as np
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
+from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, first_doubt, window_counts
 from mtpserve.engine.step_plan import StepTiming
@@ -36,13 +37,12 @@ HOLD_STEPS = 8  # steps a decision holds while about as many rows emit (the same
 MAX_HOLD_STEPS = 64
 LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
 REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
-# NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in HOPEFUL
-# starts from at least the first prior at depth 1 (when it drafts alone, its windows teach the instance
-# again; one in 8, hoping at every depth, had 2-5% of rows drafting at one stream where none accept), and
-# the instance's evidence fades back towards the first prior (half-life ~7,000 steps that draft nothing:
+# NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
+# (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it drafts
+# alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows drafting at
+# one stream where none accept), and the instance's evidence fades back towards the first prior (half-life ~7,000 steps that draft nothing:
 # under a load too heavy for one hopeful row to make a step draft). A fade of ~700 steps had every new
 # request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
-HOPEFUL = 16
 FADE = 0.9999
 # NOTE: a request that drafts nothing learns nothing, so an estimate that a few unlucky windows put low
 # would hold it at depth 0 all its life: at one row on code, where k=0 is 0.8 of k=2, a request whose
@@ -65,7 +65,7 @@ class Speculation:
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
         self._held: _Hold | None = None  # the last decision, while it holds
-        self._admitted = 0  # requests that took a slot
+        self.hopes = Hopes()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
         self._depth = max_drafts  # the depth in use
@@ -112,6 +112,7 @@ class Speculation:
         self.requests.reset(np.arange(self.requests.tried.shape[0]))
         self.rows_by_drafts[:] = 0
         self.extra = ServingExtra()
+        self.hopes = Hopes()
         self._forget_traffic()
 
     def _forget_traffic(self) -> None:
@@ -198,8 +199,7 @@ class Speculation:
         chunk = max(self._chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
                                 context=decode.context + round(chunk))
-        serving = (self.extra.measured(num_emitting, True, decode.depth)
-                   - self.extra.measured(num_emitting, depth=decode.depth))
+        serving = self.extra.chunk_extra(num_emitting, decode.depth)
         return max(self.costs.device(mixed) + serving - self.costs.device(decode), 0.0) / chunk
 
     def _adaptive(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -216,11 +216,10 @@ class Speculation:
             held.steps -= 1
             return held.drafts
         if plan.inserts:
-            serial = self._admitted + np.arange(len(plan.inserts))
-            self._admitted += len(plan.inserts)
-            hopeful = serial % HOPEFUL == 0
+            doubt = first_doubt(self.instance.rates())
+            hopeful = self.hopes.admit(len(plan.inserts), doubt, self.max_drafts)
             self.requests.reset(np.array([request.slot_id for request in plan.inserts], np.int64), hopeful=hopeful)
-            if hopeful.any() and self._held is not None and first_doubt(self.instance.rates()) < self.max_drafts:
+            if hopeful.any() and self._held is not None and doubt < self.max_drafts:
                 self._held.steps = 0  # NOTE: a hope is news: the held depth was decided without it
         drafts = self._policy(plan, slots, emits, caps)
         if self._held is not None:

@@ -198,6 +198,24 @@ def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_the
     assert extra.seconds(4, depth=2) == pytest.approx(0.8e-3)  # its own again, from its new steps alone
 
 
+def test_the_prompts_share_takes_both_kinds_of_step_from_one_source():
+    """A depth with its own decode mean but no own chunk mean yet: the extra of a chunk step over a decode
+    step is every depth's chunk steps less every depth's decode steps, not less this depth's own decode
+    steps; once it has both of its own, its own two."""
+    extra = ServingExtra()
+    for i in range(4 * ServingExtra.MIN_SAMPLES):
+        extra.observe(16, 3e-3, 2e-3, depth=0)  # decode steps at depth 0 add 1 ms
+        if i % 2 == 0:
+            extra.observe(16, 2.5e-3, 2e-3, has_prefill=True, depth=0)  # its chunk steps 0.5 ms
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(16, 5e-3, 2e-3, depth=1)  # depth 1's decode steps: 3 ms (its profile priced it low)
+    assert extra.seconds(16, depth=1) == pytest.approx(3e-3)
+    assert extra.chunk_extra(16, 1) == pytest.approx(extra.measured(16, True) - extra.measured(16))
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(16, 6e-3, 2e-3, has_prefill=True, depth=1)  # its chunk steps: 4 ms
+    assert extra.chunk_extra(16, 1) == pytest.approx(1e-3)
+
+
 def test_what_serving_adds_is_kept_per_emitting_rows():
     extra = ServingExtra()
     assert extra.seconds(64) == 0.0  # nothing measured yet
