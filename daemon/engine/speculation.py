@@ -38,10 +38,11 @@ MAX_HOLD_STEPS = 64
 LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
 REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
-# (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it drafts
-# alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows drafting at
-# one stream where none accept), and the instance's evidence fades back towards the first prior (half-life ~7,000 steps that draft nothing:
-# under a load too heavy for one hopeful row to make a step draft). A fade of ~700 steps had every new
+# (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
+# drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
+# drafting at one stream where none accept), and the instance's evidence fades back towards the first
+# prior (half-life ~7,000 steps that draft nothing: under a load too heavy for one hopeful row to make a
+# step draft). A fade of ~700 steps had every new
 # request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
 FADE = 0.9999
 # NOTE: a request that drafts nothing learns nothing, so an estimate that a few unlucky windows put low
