@@ -225,7 +225,7 @@ class EngineCore(Generic[R]):
     def take_prefix_hits(self) -> list[tuple[RequestId, int]]:
         """(request id, cached prompt tokens) of the requests first admitted with a hit since the last
         call; the rank loop sends them (PrefixHits) right after the launch that admitted them."""
-        return self.scheduler.take_prefix_hits()
+        return self.scheduler.prefix.take_first_hits()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""

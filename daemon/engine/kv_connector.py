@@ -21,14 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
-from mtpserve.engine.request import FinishReason, Request
+from mtpserve.engine.request import FinishReason, Request, RequestId
 from mtpserve.engine.step_emission import StepEmission
 from mtpserve.ipc.request_channel import KVLayout
 
 if TYPE_CHECKING:
     from mtpserve.engine.scheduler import Scheduler
-
-RequestId = int | str
 
 
 class KVStats(TypedDict, total=False):

@@ -101,8 +101,7 @@ def warm_up(core: EngineCore) -> None:
     profile_steps(core)
     # NOTE: the warm-up's prompts are not clients': neither their blocks nor their counts stay
     core.reset_prefix_cache()
-    core.scheduler.prefix_cache_queries = core.scheduler.prefix_cache_hits = 0
-    core.take_prefix_hits()
+    core.scheduler.prefix.clear_counts()
 
 
 def freeze_heap() -> None:

@@ -9,6 +9,8 @@ import numpy as np
 
 from mtpserve.ipc.sampling_params import SamplingParams, sampling_problems
 
+RequestId = int | str  # the wire uses ints; tests use strings
+
 
 @dataclasses.dataclass(frozen=True)
 class RemoteKV:
@@ -25,7 +27,7 @@ class RemoteKV:
 class EngineRequest:
     """One generation request as the engine receives it (already tokenized and validated)."""
 
-    request_id: int | str  # the wire uses ints; tests use strings
+    request_id: RequestId
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     hold_kv: bool = False  # prefill role: keep the KV after the last token unless it stopped

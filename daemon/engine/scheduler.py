@@ -8,7 +8,7 @@ Pure host policy, no device code. One call to `schedule()` plans one step:
      earlier one fits; nobody is admitted in a step that preempted;
   3. waiting requests in arrival order while a slot, token budget and KV blocks remain; the first
      one that does not fit stops admission (no overtaking). With prefix caching a request first
-     reuses the longest cached prefix of its blocks (prefix_cache.py) and prefills only the rest.
+     reuses the longest cached prefix of its blocks (prefix_reuse.py) and prefills only the rest.
 Results come back through `commit()`, one step late when the engine overlaps; it offers the blocks
 they filled to the prefix cache.
 """
@@ -21,14 +21,13 @@ import dataclasses
 from collections.abc import Callable
 
 from mtpserve.config import EngineConfig
-from mtpserve.engine import prefix_cache
 from mtpserve.engine.block_manager import BlockManager, blocks_for
-from mtpserve.engine.prefix_cache import NO_HIT, PrefixHit
-from mtpserve.engine.request import FinishReason, Request, RequestStatus
+from mtpserve.engine.prefix_cache import PrefixHit
+from mtpserve.engine.prefix_reuse import PrefixReuse
+from mtpserve.engine.request import FinishReason, Request, RequestId, RequestStatus
 
 _ENGINE = EngineConfig()  # the configuration's defaults
 
-RequestId = int | str
 # NOTE: the KV connector's on_finish hook (kv_connector.py): True when it takes the blocks.
 FinishHook = Callable[[Request, FinishReason], bool]
 
@@ -136,9 +135,8 @@ class Scheduler:
         self._by_id: dict[RequestId, Request] = {}
         self._on_finish = on_finish
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # prefill tokens looked up at admission (vLLM's count)
-        self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
-        self._prefix_hits: list[tuple[RequestId, int]] = []  # first admissions with a hit, not yet taken
+        self.prefix = PrefixReuse(config.enable_prefix_caching, self.blocks, config.block_size,
+                                  config.num_speculative_tokens, config.cache_salt)
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -171,6 +169,14 @@ class Scheduler:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.prefix.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.prefix.hits
+
     # ---- planning -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
@@ -201,7 +207,7 @@ class Scheduler:
     def _admit_waiting(self, plan: _PlanBuilder) -> None:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
-            hit = self._prefix_hit(request)
+            hit = self.prefix.find(request)
             num_tokens = self._num_new_tokens(request, plan, skip=hit.num_computed)
             needed = max(request.num_kv_tokens, hit.num_computed) + num_tokens
             if num_tokens <= 0 or not self._fits(request, hit, needed):
@@ -209,7 +215,7 @@ class Scheduler:
             self.waiting.popleft()
             self._start(request)
             plan.inserts.append(request)
-            self._reuse(request, hit, plan)
+            self.prefix.reuse(request, hit, plan.block_copies)
             if request.block_ids:
                 plan.block_writes.append(BlockWrite(request.slot_id, 0, tuple(request.block_ids)))
             self._grow(request, needed, plan)
@@ -221,65 +227,6 @@ class Scheduler:
         missing = blocks_for(num_tokens, self.config.block_size) - len(request.block_ids) - hit.num_shared
         idle = sum(self.blocks.refs(b) == 0 for b in hit.shared)
         return missing + idle <= self.blocks.num_free_blocks
-
-    # ---- prefix cache ---------------------------------------------------------------------------
-
-    def _prefix_hit(self, request: Request) -> PrefixHit:
-        if not (self.config.enable_prefix_caching and request.caches_prefix) or request.block_ids:
-            return NO_HIT
-        hashes = prefix_cache.chain_hashes(request.prefill_ids, self.config.block_size,
-                                           self.config.cache_salt, request.block_hashes)
-        return prefix_cache.find(self.blocks, hashes, request.prefill_ids, self.config.num_speculative_tokens)
-
-    def _reuse(self, request: Request, hit: PrefixHit, plan: _PlanBuilder) -> None:
-        """Start an admitted request's table with its prefix hit (its first admission reports it)."""
-        if self.config.enable_prefix_caching and request.caches_prefix:
-            self.prefix_cache_queries += request.num_prefill_tokens
-            self.prefix_cache_hits += hit.num_computed
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = hit.num_computed
-                if hit.num_computed:
-                    self._prefix_hits.append((request.request_id, hit.num_computed))
-        if hit is NO_HIT:
-            return
-        self.blocks.share(list(hit.shared))
-        request.block_ids = list(hit.shared)
-        if hit.copy_from is not None:
-            # NOTE: the source may be evicted by a later take in this same plan; the copy still reads
-            # its content, since copies run before the step's forward pass writes anything
-            copy = self.blocks.take(after=request.block_ids[-1] if request.block_ids else None)
-            request.block_ids.append(copy)
-            plan.block_copies.append((hit.copy_from, copy))
-        request.num_blocks_cached = hit.num_shared
-        request.num_kv_tokens = request.num_prefill_scheduled = hit.num_computed
-        request.mtp_depth = min(request.mtp_depth, hit.mtp_depths)
-
-    def _cache_blocks(self, request: Request) -> None:
-        """Offer the full blocks a finished step wrote to the prefix cache, in order."""
-        bs, k = self.config.block_size, self.config.num_speculative_tokens
-        num_full = min(request.num_kv_tokens // bs, len(request.block_ids))
-        while request.num_blocks_cached < num_full:
-            j = request.num_blocks_cached
-            if prefix_cache.beyond_cache(j, bs, request.num_prefill_tokens, k):
-                request.num_blocks_cached = len(request.block_ids) + (1 << 30)
-                return
-            end = (j + 1) * bs
-            # NOTE: the block and its lookahead, not the whole sequence: at 64 streams a block fills every
-            # few steps per row, and rebuilding each request's sequence for it was half of what the cache
-            # added to the host's work per step (181 us of 920 on random prompts, now 90)
-            kv = prefix_cache.cached_kv(j, bs, request.num_prefill_tokens, request.tokens(end, end + k), k,
-                                        request.mtp_depth)
-            if kv is None:
-                return
-            known = request.block_hashes
-            if len(known) <= j:
-                prefix_cache.extend_hashes(known, self.config.cache_salt, request.tokens(len(known) * bs, end), bs)
-            self.blocks.register(request.block_ids[j], known[j], kv)
-            request.num_blocks_cached += 1
-
-    def take_prefix_hits(self) -> list[tuple[RequestId, int]]:
-        hits, self._prefix_hits = self._prefix_hits, []
-        return hits
 
     def _num_new_tokens(self, request: Request, plan: _PlanBuilder, skip: int = 0) -> int:
         """The next row's tokens; `skip`: prompt positions a prefix hit provides."""
@@ -391,8 +338,7 @@ class Scheduler:
         # slot per emitted token; a prefill chunk keeps all of its tokens.
         request.num_kv_tokens += row.num_tokens if row.is_prefill else len(token_ids)
         request.output_ids.extend(token_ids)
-        if self.config.enable_prefix_caching and request.caches_prefix:
-            self._cache_blocks(request)
+        self.prefix.offer(request)
         if reason is not FinishReason.NONE:
             self._finish(request, reason)
 

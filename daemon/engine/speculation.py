@@ -13,7 +13,6 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
@@ -21,22 +20,17 @@ import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import ServingExtra, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import StepCosts, StepLoad
+from mtpserve.engine.spec_extra import ServingExtra
+from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, first_doubt, window_counts
+from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
-HOLD_STEPS = 8  # steps a decision holds while about as many rows emit (the same half octave)
-# NOTE: a decision that repeats the one before it at exactly as many rows holds twice as long, up to
-# MAX_HOLD_STEPS: a full decision costs ~150-250 us of Python, and the step's thread waits for the GIL
-# meanwhile; at 16 rows, one every 8 steps was 1-2% of the engine's throughput where the depth never changed.
-# A load that leaves the half octave, or a hope, still ends a hold at once.
-MAX_HOLD_STEPS = 64
-LOAD_WEIGHT = 0.05  # of a step in the running mean of its prompt chunk: the last ~20 steps
-REQUEST_WEIGHT = 0.05  # of a finished request in the traffic's prompt/output means: the last ~20
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
 # drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
@@ -65,7 +59,7 @@ class Speculation:
         self.extra = ServingExtra()
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
         self.measured_seconds = 0.0
-        self._held: _Hold | None = None  # the last decision, while it holds
+        self._held: Hold | None = None  # the last decision, while it holds
         self.hopes = Hopes()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
@@ -77,7 +71,7 @@ class Speculation:
         # a row, and at 64 streams the policy's host work was 3% of the engine's throughput
         self._slot_caps = np.full(num_slots, max_drafts, np.int64)
         self._slot_pinned = np.zeros(num_slots, bool)
-        self._forget_traffic()
+        self.traffic = Traffic()
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -114,16 +108,7 @@ class Speculation:
         self.rows_by_drafts[:] = 0
         self.extra = ServingExtra()
         self.hopes = Hopes()
-        self._forget_traffic()
-
-    def _forget_traffic(self) -> None:
-        # NOTE: running means that start at their first sample: one starting at 0 charged the first
-        # requests' prompts at ~10x a prompt token's cost (a 256-token chunk counted as 13)
-        self._prompt_tokens = 0.0  # prompt tokens a finished request had prefilled, recently
-        self._output_tokens = 0.0  # tokens a finished request emitted, recently
-        self._num_finished = 0
-        self._chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
-        self._num_chunks = 0
+        self.traffic = Traffic()
 
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
         """What the cost model knows of the step `plan` launches with `drafts`."""
@@ -152,10 +137,7 @@ class Speculation:
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request: the prompt tokens it prefilled and the tokens it emitted."""
-        self._num_finished += 1
-        weight = max(1.0 / self._num_finished, REQUEST_WEIGHT)
-        self._prompt_tokens += weight * (prompt_tokens - self._prompt_tokens)
-        self._output_tokens += weight * (output_tokens - self._output_tokens)
+        self.traffic.observe_finished(prompt_tokens, output_tokens)
 
     def observe_windows(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray,
                         complete: np.ndarray) -> None:
@@ -177,27 +159,11 @@ class Speculation:
         whole = np.arange(self.max_drafts) < complete[:, None]
         self.instance.add(tried & whole, accepted & whole, int((complete > 0).sum()))
 
-    def _observe_load(self, plan: SchedulePlan) -> None:
-        """The running mean of a step's prompt chunk (the policy plans for the load, not for this
-        step's chunk, so one large prompt does not flip the depth, and leave gaps, for a step)."""
-        prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
-        if prefill:
-            self._num_chunks += 1
-            self._chunk_tokens += max(1.0 / self._num_chunks, LOAD_WEIGHT) * (prefill - self._chunk_tokens)
-
-    def _prefill_per_token(self) -> float:
-        """Prompt tokens prefilled per token emitted, over recently finished requests.
-
-        NOTE: a property of the traffic, not of the moment: counted per step it would be huge while a
-        burst of prompts is prefilled, and the policy would stop drafting just when those prompts' MTP
-        KV is written (a prompt prefilled without it drafts poorly all its life)."""
-        return self._prompt_tokens / max(self._output_tokens, 1.0)
-
     def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
         """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical
         chunk's share of the difference between the step with it and without it, its depths included, as
         serving has measured the two kinds of step."""
-        chunk = max(self._chunk_tokens, 1.0)
+        chunk = max(self.traffic.chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
                                 context=decode.context + round(chunk))
         serving = self.extra.chunk_extra(num_emitting, decode.depth)
@@ -209,7 +175,9 @@ class Speculation:
 
         NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
         Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
-        self._observe_load(plan)
+        prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
+        if prefill:
+            self.traffic.observe_chunk(prefill)
         emits = np.fromiter((row.emits for row in plan.rows), bool, len(plan.rows))
         key = (slots.tobytes(), emits.tobytes())
         held = self._held
@@ -238,7 +206,7 @@ class Speculation:
             return drafts
         caps_e, floors = caps[emits], drafts[emits]
         held = self._held
-        if held is not None and held.steps and _same_load(held.num_emitting, len(caps_e)):
+        if held is not None and held.steps and same_load(held.num_emitting, len(caps_e)):
             held.steps -= 1
             if held.depth:  # NOTE: at depth 0 every row drafts its floor, and needs no estimate
                 rates = self.requests.rates(slots[emits], self.instance.rates())
@@ -251,10 +219,10 @@ class Speculation:
         emitting = np.arange(len(caps_e))
 
         def prompts(depth: int) -> float:
-            """The prompts' share of a step at this depth: each emitted token brings `_prefill_per_token()`
-            prompt tokens, and the depths run over those as well."""
+            """The prompts' share of a step at this depth: each emitted token brings the traffic's prompt
+            tokens per token emitted, and the depths run over those as well."""
             tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
-            return tokens * self._prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
+            return tokens * self.traffic.prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
 
         def extra(depth: int) -> float:
             return self.extra.seconds(len(caps_e), depth=depth)
@@ -282,8 +250,8 @@ class Speculation:
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
         self._fade_idle(slots[emits], drafts[emits])
-        length = _hold_length(held, depth, len(caps_e))
-        self._held = _Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
+        length = hold_length(held, depth, len(caps_e))
+        self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
 
     def _fade_idle(self, slots: np.ndarray, drafts: np.ndarray) -> None:
@@ -322,28 +290,6 @@ def _pairs(width: _Count, kv: _Count) -> _Count:
     return width * (kv + width)
 
 
-def _same_load(held: int, now: int) -> bool:
-    """Whether a decision made at `held` emitting rows still holds at `now`: the same half octave of rows
-    (as `ServingExtra` measures them).
-
-    NOTE: at 16-64 streams the rows that emit change almost every step (a prompt's middle chunk does not
-    emit, its last one does; a request finishes), and a decision at each change was most of the policy's
-    host work."""
-    return ServingExtra.bucket(held) == ServingExtra.bucket(now)
-
-
-def _hold_length(held: _Hold | None, depth: int, num_emitting: int) -> int:
-    """Steps a new decision holds for: HOLD_STEPS, or twice the last one's if it decided the same depth at
-    exactly as many rows (MAX_HOLD_STEPS at most).
-
-    NOTE: not within the half octave: doubled there too, a marginal choice of depth 2 at ~16 rows held for
-    up to 64 steps, and adaptive drafted 2 deep for 20-24% of rows in two of three rounds at 16 streams on
-    code (0.91 of k=1); doubled only at exactly as many rows, 0% and 0.98-1.00 of k=1 in three rounds."""
-    if held is not None and held.depth == depth and held.num_emitting == num_emitting:
-        return min(2 * held.length, MAX_HOLD_STEPS)
-    return HOLD_STEPS
-
-
 def _decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
                   floors: np.ndarray) -> Callable[[int], StepLoad]:
     """The load of a decode step of the plan's rows at each depth: every emitting row's window at that
@@ -358,21 +304,6 @@ def _decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
         return StepLoad(int(window.sum()), len(plan.rows), depth, False, context=context)
 
     return load
-
-
-@dataclasses.dataclass
-class _Hold:
-    """A decision of the policy and the steps it still holds for: its depth and slot cost while about as many
-    rows emit (`_same_load`), its drafts while the rows are the same (`key`: their slots and whether each
-    emits, as the arrays' bytes)."""
-
-    num_emitting: int
-    steps: int
-    depth: int
-    slot_cost: float
-    length: int  # the steps it held for when decided
-    key: tuple[bytes, bytes] = (b"", b"")
-    drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def _is_seeded_sample(request: Request) -> bool:

@@ -6,7 +6,8 @@ import numpy as np
 from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import Curve, StepLoad
 from mtpserve.engine.spec_hope import EVERY, MAX_EVERY, Hopes
-from mtpserve.engine.speculation import HOLD_STEPS, Speculation
+from mtpserve.engine.spec_hold import HOLD_STEPS
+from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from spec_rows import K, decode_row
 

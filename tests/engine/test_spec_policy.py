@@ -5,7 +5,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import Curve, ServingExtra, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
@@ -249,7 +250,7 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
                 spec.costs.mixed.observe(n, np.interp(n, [rows * (d + 1) for d in range(K + 1)], periods_ms) * 1e-3
                                          if n <= rows * (K + 1) else periods_ms[-1] * 1e-3 + per_token * (n - rows * (K + 1)))
                 spec.costs.depth.observe(n, 0.3 * per_token * n)
-        spec._chunk_tokens = 256.0
+        spec.traffic.chunk_tokens = 256.0
         for _ in range(100):  # finished requests of 128 tokens, each with its prompt
             spec.observe_finished(round(prefill_per_token * 128), 128)
     spec._depth = current
@@ -374,6 +375,6 @@ def test_the_traffic_means_start_at_their_first_sample_and_the_profile_leaves_no
     prompt = Request(EngineRequest(0, tuple(range(1, 257)), SamplingParams(temperature=0.0)), 0, 0)
     spec.choose(SchedulePlan((ScheduledRow(prompt, 0, 0, True, 256, 0, True),), (), (), ()))
     spec.observe_finished(256, 128)
-    assert spec._chunk_tokens == 256 and spec._prefill_per_token() == 2.0
+    assert spec.traffic.chunk_tokens == 256 and spec.traffic.prefill_per_token() == 2.0
     spec.forget_profile()
-    assert spec._chunk_tokens == 0 and spec._prefill_per_token() == 0.0
+    assert spec.traffic.chunk_tokens == 0 and spec.traffic.prefill_per_token() == 0.0

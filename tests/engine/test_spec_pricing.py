@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve, ServingExtra, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
-from mtpserve.engine.speculation import HOLD_STEPS, MAX_HOLD_STEPS, Speculation
+from mtpserve.engine.spec_hold import HOLD_STEPS, MAX_HOLD_STEPS
+from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import StepTrace
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -172,7 +174,7 @@ def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decod
 
     spec = Speculation(K, adaptive=True, num_slots=16)
     spec.extra = extra
-    spec._chunk_tokens = 256.0
+    spec.traffic.chunk_tokens = 256.0
     decode = StepLoad(32, 16, 1, False, 16, 16 * 2 * 300)
     mixed = decode._replace(num_tokens=32 + 256, has_prefill=True, context=decode.context + 256)
     quiet = (spec.costs.device(mixed) - spec.costs.device(decode)) / 256

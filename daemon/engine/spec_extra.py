@@ -1,0 +1,115 @@
+"""What serving adds to the device's time for a step (the second layer of the step-time model, spec_cost.py):
+the host loop, the HTTP process and any client share the cores with the device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TypeVar
+
+
+class ServingExtra:
+    """What serving adds to the device time of a step, by the rows that emit (half octaves), apart for
+    steps with a prefill chunk and without, and for each depth a step ran: a running mean of the step's
+    period less the device time the curves give for that very step.
+
+    A depth is priced with its own mean at these rows while it is recent (its last step here no more than
+    STALE_STEPS of this cell's steps ago), else with the mean of every depth's steps at the nearest rows
+    measured (mostly the depth in use's); a depth run again after that starts its own mean afresh.
+
+    NOTE: the host's work per step, the HTTP process and the clients share the cores with the device. Added,
+    not scaled: a period-to-device ratio differed 2x between steps with a prompt chunk and without, and
+    carried to a deeper depth it charged that depth for contention it does not cause. Depths run in turn
+    in one process (step_trace's schedule) added about as much as each other to a decode step: 0.45, 0.50
+    and 0.66 ms at depths 0-2 at 4 streams (1.8x, 1.4x and 1.3x their quiet cost), 4.5 and 4.7 ms at
+    depths 0 and 1 at 64.
+
+    NOTE: per depth, because the start-up profile's curves are what one launch measured: at 64 streams one
+    launch priced depth 1's decode step at 2.4x depth 0's and the next at 3.0x (serving's steps: 1.8x).
+    With one mean for every depth, learnt at the depth in use, that error stays in every other depth's
+    price and decides the depth; a depth the policy has run is priced by what its own steps took.
+
+    NOTE: recent only, because serving's share of the cores moves: a depth run for a few hundred steps at 4
+    streams while a test ran beside the daemon learnt 2.3 ms, 3x the depth in use's 0.7 ms, and kept that
+    price (and the policy off it) for the rest of the run. Forgotten after ~1,000 steps, a depth the curves
+    favour is run again, for the ~MIN_SAMPLES steps its price takes, and priced by what it takes now.
+
+    NOTE: apart for steps with a prefill chunk, because the two kinds miss in opposite directions. At 16
+    streams on code, decode steps took 1.4 ms more than the quiet profile at depth 0 and at depth 1 alike,
+    and steps with a prompt chunk 2-3 ms less (the profile's prefills carry no decode rows). One mean over
+    both charged a decode step ~0.45 ms too little: 12% of a depth-0 step, 7% of a depth-1 step, enough to
+    tip the choice to depth 0."""
+
+    WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps
+    MIN_SAMPLES = 16
+    STALE_STEPS = 1000
+
+    def __init__(self) -> None:
+        self._mean: dict[tuple[bool, int], float] = {}  # every depth's steps
+        self._count: dict[tuple[bool, int], int] = {}
+        self._depth_mean: dict[tuple[bool, int, int], float] = {}  # each depth's own
+        self._depth_count: dict[tuple[bool, int, int], int] = {}
+        self._depth_seen: dict[tuple[bool, int, int], int] = {}  # its cell's count at its last step
+
+    @staticmethod
+    def bucket(num_emitting: int) -> int:
+        return round(2 * math.log2(max(num_emitting, 1)))
+
+    def observe(self, num_emitting: int, seconds: float, device: float, has_prefill: bool = False,
+                depth: int = 0) -> None:
+        key, extra = (has_prefill, self.bucket(num_emitting)), seconds - device
+        _update(self._mean, self._count, key, extra, self.WEIGHT)
+        own = (*key, depth)
+        if not self._is_recent(own):
+            self._depth_count[own] = 0  # NOTE: a plain mean again, of what this depth takes now
+        _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
+        self._depth_seen[own] = self._count[key]
+
+    def _has_own(self, own: tuple[bool, int, int]) -> bool:
+        """Whether a depth's own mean prices it: enough steps, and recent."""
+        return self._depth_count.get(own, 0) >= self.MIN_SAMPLES and self._is_recent(own)
+
+    def _is_recent(self, own: tuple[bool, int, int]) -> bool:
+        seen = self._depth_seen.get(own)
+        return seen is not None and self._count[own[:2]] - seen <= self.STALE_STEPS
+
+    def seconds(self, num_emitting: int, has_prefill: bool = False, depth: int | None = None) -> float:
+        """At these rows (and this depth, if its steps have been measured here), else at the nearest rows
+        measured, else nothing yet; never below 0 (a quiet profile is the least a step costs)."""
+        return max(self.measured(num_emitting, has_prefill, depth), 0.0)
+
+    def measured(self, num_emitting: int, has_prefill: bool = False, depth: int | None = None) -> float:
+        """The mean itself, which is below 0 where serving's steps were shorter than the profile's curves
+        (a prefill chunk beside decode rows); for a kind of step not measured yet, a decode step's."""
+        key = self.bucket(num_emitting)
+        own = (has_prefill, key, depth if depth is not None else -1)
+        if self._has_own(own):
+            return self._depth_mean[own]
+        known = [b for (kind, b), n in self._count.items() if kind == has_prefill and n >= self.MIN_SAMPLES]
+        if not known:
+            return self.measured(num_emitting, depth=depth) if has_prefill else 0.0
+        return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]
+
+    def chunk_extra(self, num_emitting: int, depth: int) -> float:
+        """What serving adds to a step with a prompt chunk beyond what it adds to a decode step, at these
+        rows and depth: from this depth's own means when it has both kinds, else from every depth's.
+
+        NOTE: from one source. Where a depth had its own decode mean and not yet its own chunk mean, the
+        difference of `measured`'s two figures took the chunk steps of every depth less the decode steps
+        of this one: this depth's own correction entered the prompts' share with the opposite sign to the
+        one it has in the decode step's price."""
+        key = self.bucket(num_emitting)
+        mixed, decode = (True, key, depth), (False, key, depth)
+        if self._has_own(mixed) and self._has_own(decode):
+            return self._depth_mean[mixed] - self._depth_mean[decode]
+        return self.measured(num_emitting, True) - self.measured(num_emitting)
+
+
+_Key = TypeVar("_Key", tuple[bool, int], tuple[bool, int, int])
+
+
+def _update(means: dict[_Key, float], counts: dict[_Key, int], key: _Key, value: float, weight: float) -> None:
+    """A running mean that starts as a plain mean and then follows its last ~1/weight samples."""
+    count = counts[key] = counts.get(key, 0) + 1
+    mean = means.get(key, value)
+    means[key] = mean + max(1.0 / count, weight) * (value - mean)
