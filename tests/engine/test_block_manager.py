@@ -50,3 +50,17 @@ def test_lowest_free_ids_first_so_tables_stay_in_runs():
     d = []
     m.grow(d, 24)  # 6 blocks: 0, 1, 2, 5, 6, 7 -> two runs, not the order they were freed in
     assert d == [0, 1, 2, 5, 6, 7]
+
+
+def test_a_growing_table_takes_the_free_block_after_its_last_before_a_lower_one():
+    """CPU attention reads a table's blocks in order: the free block right after the table's last one
+    continues its run, even while a lower id is free."""
+    m = BlockManager(num_blocks=8, block_size=4)
+    a, b, c = [], [], []
+    for table, num_tokens in ((a, 8), (b, 4), (c, 4)):  # a: 0-1, b: 2, c: 3
+        m.grow(table, num_tokens)
+    m.free(b)  # free: 2, 4-7
+    assert m.grow(c, 8) == [4], "block 4 continues c; the lowest free id (2) would not"
+    d = []
+    assert m.grow(d, 8) == [2, 5], "a new table starts at the lowest free id"
+    m.check()

@@ -207,3 +207,31 @@ def test_a_held_block_after_the_last_is_never_taken():
     assert blocks.grow(table, 2 * BS) == [4], "block 1 is held: the LRU's oldest instead"
     assert blocks.refs(1) == 1 and holder == [0, 1, 2]
     blocks.check()
+
+
+def released_run() -> tuple[BlockManager, list[int]]:
+    """Four blocks: a 13-token prompt whose three full blocks (0-2) are cached, released (the LRU holds
+    2, 1, 0: a table goes last block first); its partial block 3 is taken by another table."""
+    blocks = BlockManager(4, BS)
+    tokens = list(range(1, 14))
+    blocks.free(cache_prompt(blocks, tokens))
+    assert blocks.grow([], BS) == [3]
+    return blocks, tokens
+
+
+def test_a_table_that_takes_a_released_run_takes_it_in_ascending_order():
+    """LRU order would hand the run out last block first (2, 1, 0); the same blocks ascending are a run."""
+    blocks, tokens = released_run()
+    table: list[int] = []
+    assert blocks.grow(table, 3 * BS) == [0, 1, 2]
+    assert all(blocks.lookup(h, ()) is None for h in hashes_of(tokens[:12])), "the same three left the cache"
+    blocks.check()
+
+
+def test_a_table_that_wants_fewer_blocks_than_the_run_takes_its_tail():
+    """Only the blocks the table takes anyway move: with one wanted, the LRU's oldest (the run's last block)
+    goes and the head, which a match could still use, stays."""
+    blocks, tokens = released_run()
+    assert blocks.grow([], BS) == [2]
+    assert blocks.grow([], 2 * BS) == [0, 1]
+    blocks.check()
