@@ -61,7 +61,7 @@ class BlockManager:
         self.block_size = block_size
         # NOTE: a min-heap, lowest id first, so a request's blocks tend to be consecutive: a PD KV read
         # is one copy per run of consecutive blocks, and each copy costs ~60 us over TCP. The set says which
-        # ids are free; the heap may also hold ids taken since out of order (`_take_free`), skipped on pop.
+        # ids are free; the heap may also hold ids taken since out of order (`take`), skipped on pop.
         self._free: list[int] = list(range(num_blocks))
         self._free_set: set[int] = set(self._free)
         self._refs = [0] * num_blocks
