@@ -50,6 +50,7 @@ class ServingExtra:
         self._depth_mean: dict[tuple[bool, int, int], float] = {}  # each depth's own
         self._depth_count: dict[tuple[bool, int, int], int] = {}
         self._depth_seen: dict[tuple[bool, int, int], int] = {}  # its cell's count at its last step
+        self._sought: dict[tuple[bool, int, int], int] = {}  # a decode depth's cell count when `seek` ran it
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
@@ -89,6 +90,21 @@ class ServingExtra:
         if not known:
             return self.measured(num_emitting, depth=depth) if has_prefill else 0.0
         return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]
+
+    def borrowed(self, num_emitting: int, depth: int) -> bool:
+        """Whether decode steps at this depth are priced here with a mean the depth before it taught: they
+        have no recent mean of their own at these rows, that depth has, and this depth was not sought here
+        (`seek`) within the last STALE_STEPS of the cell's steps."""
+        key = (False, self.bucket(num_emitting))
+        if self._has_own((*key, depth)) or not self._has_own((*key, depth - 1)):
+            return False
+        sought = self._sought.get((*key, depth))
+        return sought is None or self._count[key] - sought > self.STALE_STEPS
+
+    def seek(self, num_emitting: int, depth: int) -> None:
+        """The policy runs this depth's decode steps at these rows to give it a mean of its own."""
+        key = (False, self.bucket(num_emitting))
+        self._sought[(*key, depth)] = self._count.get(key, 0)
 
     def chunk_extra(self, num_emitting: int, depth: int) -> float:
         """What serving adds to a step with a prompt chunk beyond what it adds to a decode step, at these

@@ -38,15 +38,33 @@ def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period:
     """The step's depth. gain: [B, K+1] expected tokens per k; caps, floors: [B]; period(depth): seconds of
     a step of these rows at that depth. The best depth by expected tokens per second, unless it is deeper
     than the depth in use and the depth in use is within `margin` of it."""
+    return pick_depth(depth_rates(gain, caps, floors, period), current, margin)
+
+
+def depth_rates(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
+                period: Callable[[int], float]) -> dict[int, float]:
+    """Expected tokens per second of a step of these rows at each depth from the deepest floor to K, every
+    row drafting min(depth, cap) (at least its floor)."""
     rows, max_depth = np.arange(gain.shape[0]), gain.shape[1] - 1
     rates = {}
     for depth in range(int(floors.max(initial=0)), max_depth + 1):
         drafts = np.maximum(np.minimum(caps, depth), floors)
         rates[depth] = float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
+    return rates
+
+
+def pick_depth(rates: dict[int, float], current: int, margin: float) -> int:
+    """`choose_depth` from the rates `depth_rates` gives."""
     best = max(rates, key=rates.__getitem__)
     if current in rates and best > current and rates[best] < rates[current] * (1 + margin):
         return current
     return best
+
+
+def worth_pricing(rates: dict[int, float], depth: int, band: float) -> bool:
+    """Whether the depth after `depth` is within `band` of it: close enough that the price it has is worth
+    checking by running it (a price borrowed from another depth can be off by more than that)."""
+    return depth + 1 in rates and rates[depth + 1] >= (1 - band) * rates[depth]
 
 
 def row_drafts(acceptance: np.ndarray, depth: int, caps: np.ndarray, floors: np.ndarray,

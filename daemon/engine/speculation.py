@@ -24,13 +24,21 @@ from mtpserve.engine.spec_cost import StepCosts, StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
-from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
+from mtpserve.engine.spec_policy import depth_rates, expected_tokens, pick_depth, row_drafts, worth_pricing
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, first_doubt, window_counts
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
+# NOTE: a depth not run lately at these rows is priced with what serving adds to the depth in use's steps
+# (spec_extra.py), and that can be off by more than the margin: at 64 streams on code (256-token prompts),
+# serving's depth-0 steps took 9-10 ms more than the profile's curves (their KV, ~80 MB, no longer fits the
+# cache; the profile's did) and depth-1 steps ~4 ms more (the curves already charge their second query
+# per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and ran
+# never; it was 6-11% better. A deeper depth within PRICE_BAND of the depth in use, with no recent price of
+# its own, is run for a few steps (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
+PRICE_BAND = 0.10
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
 # drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
@@ -232,12 +240,18 @@ class Speculation:
             serving adds to a step of these rows at this depth."""
             return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
-        depth = self._depth = choose_depth(gain, caps_e, floors, period, self._depth, SWITCH_MARGIN)
+        per_second = depth_rates(gain, caps_e, floors, period)
+        depth = self._depth = pick_depth(per_second, self._depth, SWITCH_MARGIN)
+        seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
         if self.trace is not None:
             depths = range(self.max_drafts + 1)
-            self.trace.decision(len(caps_e), depth, [float(gain[emitting, np.maximum(np.minimum(caps_e, d), floors)]
-                                                               .sum()) for d in depths], [period(d) for d in depths],
-                                [prompts(d) for d in depths], [extra(d) for d in depths])
+            self.trace.decision(len(caps_e), depth + 1 if seeking else depth,
+                                [float(gain[emitting, np.maximum(np.minimum(caps_e, d), floors)].sum())
+                                 for d in depths], [period(d) for d in depths], [prompts(d) for d in depths],
+                                [extra(d) for d in depths])
+        if seeking:
+            drafts[emits] = self._seek_price(len(caps_e), depth + 1, caps_e, floors)
+            return drafts
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
@@ -253,6 +267,16 @@ class Speculation:
         length = hold_length(held, depth, len(caps_e))
         self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
+
+    def _seek_price(self, num_emitting: int, depth: int, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
+        """The emitting rows' drafts (caps, floors: theirs) while decode steps at `depth` are run to price it:
+        every row drafts it (or its cap), as the rates that made it worth pricing assumed. The depth in use
+        stays what it was: going deeper is still decided with the margin, on the new price.
+
+        NOTE: held with no slot cost, so the held steps keep every row's full window."""
+        self.extra.seek(num_emitting, depth)
+        self._held = Hold(num_emitting, ServingExtra.MIN_SAMPLES - 1, depth, 0.0, ServingExtra.MIN_SAMPLES)
+        return np.maximum(np.minimum(caps, depth), floors)
 
     def _fade_idle(self, slots: np.ndarray, drafts: np.ndarray) -> None:
         """The requests given no drafts (but hopeful ones) drift back towards the instance (REQUEST_FADE)."""

@@ -231,3 +231,41 @@ def test_what_serving_adds_is_kept_per_emitting_rows():
     for _ in range(ServingExtra.MIN_SAMPLES):
         extra.observe(4, 2e-3, 1.5e-3)
     assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
+
+
+def serve_one_row(spec: Speculation, steps: int, added_ms: dict[int, float], kv: int = 300) -> list[int]:
+    """`steps` decode steps of one row after `kv` tokens of KV on the device above, where serving adds
+    `added_ms[depth]` to a step at that depth; the depth each step ran."""
+    plan, ran = one_row(kv, K + 1), []
+    for _ in range(steps):
+        depth = int(spec.choose(plan).max())
+        target, drafts = device_ms(depth + 1, kv, depth)
+        load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
+        spec.observe(load, (target + drafts + added_ms[depth]) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
+        ran.append(depth)
+    return ran
+
+
+def test_a_deeper_depth_priced_with_what_serving_adds_to_the_depth_in_use_is_run_to_price_it():
+    """Serving adds 0.3 ms to a depth-0 step and 0.05 ms to a depth-1 step (at 64 streams on code, a KV
+    that no longer fit the cache slowed depth 0 by 9-10 ms and depth 1 by ~4 ms over the profile's curves).
+    Priced with depth 0's 0.3 ms, depth 1 looks 3% worse; run for a few steps it is priced by its own and
+    is 16% better, and the policy serves at depth 1. Without those steps it stayed at depth 0 for good."""
+    spec = profiled(0.4)
+    spec._depth = 0
+    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05})
+    assert ran[:20].count(0) >= ServingExtra.MIN_SAMPLES  # depth 0 first, learning what serving adds to it
+    assert ran[1000:].count(1) >= 0.9 * 2000
+
+
+def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_and_one_far_worse_never():
+    """Where depth 1 costs what its borrowed price says (serving adds 0.3 ms to every depth), the steps that
+    price it are at most one run of MIN_SAMPLES per STALE_STEPS; where its drafts are rarely accepted (random
+    words), it is not within the band, and never runs."""
+    spec = profiled(0.4)
+    spec._depth = 0
+    ran = serve_one_row(spec, 3000, {d: 0.3 for d in range(K + 1)})
+    assert 0 < len(ran) - ran.count(0) <= 3 * ServingExtra.MIN_SAMPLES
+    spec = profiled(0.05)
+    spec._depth = 0
+    assert set(serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.0, 3: 0.0})) == {0}
