@@ -35,9 +35,10 @@ SWITCH_MARGIN = 0.05
 # (spec_extra.py), and that can be off by more than the margin: at 64 streams on code (256-token prompts),
 # serving's depth-0 steps took 9-10 ms more than the profile's curves (their KV, ~80 MB, no longer fits the
 # cache; the profile's did) and depth-1 steps ~4 ms more (the curves already charge their second query
-# per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and ran
-# never; it was 6-11% better. A deeper depth within PRICE_BAND of the depth in use, with no recent price of
-# its own, is run for a few steps (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
+# per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and never
+# ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
+# depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
+# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
 PRICE_BAND = 0.10
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
