@@ -217,9 +217,7 @@ class Speculation:
         held = self._held
         if held is not None and held.steps and same_load(held.num_emitting, len(caps_e)):
             held.steps -= 1
-            if held.depth:  # NOTE: at depth 0 every row drafts its floor, and needs no estimate
-                rates = self.requests.rates(slots[emits], self.instance.rates())
-                drafts[emits] = row_drafts(rates, held.depth, caps_e, floors, held.slot_cost)
+            drafts[emits] = self._held_drafts(held, slots[emits], caps_e, floors)
             return drafts
         prior = self.instance.rates()
         rates = self.requests.rates(slots[emits], prior)
@@ -245,11 +243,8 @@ class Speculation:
         depth = self._depth = pick_depth(per_second, self._depth, SWITCH_MARGIN)
         seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
         if self.trace is not None:
-            depths = range(self.max_drafts + 1)
-            self.trace.decision(len(caps_e), depth + 1 if seeking else depth,
-                                [float(gain[emitting, np.maximum(np.minimum(caps_e, d), floors)].sum())
-                                 for d in depths], [period(d) for d in depths], [prompts(d) for d in depths],
-                                [extra(d) for d in depths])
+            self._trace_decision(self.trace, depth + 1 if seeking else depth, gain, caps_e, floors,
+                                 (period, prompts, extra))
         if seeking:
             drafts[emits] = self._seek_price(len(caps_e), depth + 1, caps_e, floors)
             return drafts
@@ -268,6 +263,21 @@ class Speculation:
         length = hold_length(held, depth, len(caps_e))
         self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
+
+    def _trace_decision(self, trace: StepTrace, depth: int, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
+                        parts: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]]) -> None:
+        """A decision's `#d` line: per depth, the expected tokens, and the priced period and its parts
+        (`parts`: the period, the prompts' share of it, what serving adds to it)."""
+        depths, rows = range(self.max_drafts + 1), np.arange(len(caps))
+        tokens = [float(gain[rows, np.maximum(np.minimum(caps, d), floors)].sum()) for d in depths]
+        period, prompts, extra = ([part(d) for d in depths] for part in parts)
+        trace.decision(len(caps), depth, tokens, period, prompts, extra)
+
+    def _held_drafts(self, held: Hold, slots: np.ndarray, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
+        """The emitting rows' drafts (slots, caps, floors: theirs) at a held decision's depth and slot cost."""
+        if not held.depth:  # NOTE: at depth 0 every row drafts its floor, and needs no estimate
+            return floors
+        return row_drafts(self.requests.rates(slots, self.instance.rates()), held.depth, caps, floors, held.slot_cost)
 
     def _seek_price(self, num_emitting: int, depth: int, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
         """The emitting rows' drafts (caps, floors: theirs) while decode steps at `depth` are run to price it:
