@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -42,13 +44,30 @@ class AcceptanceStats:
         return (self.accepted_per_pos / np.maximum(self.drafted_per_pos, 1)).tolist()
 
 
-def window_counts(num_drafts: np.ndarray, num_accepted: np.ndarray, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Verified windows [R] -> ([R, K] depths tried, [R, K] depths accepted). Depth i of a window of n
-    drafts was tried if the i drafts before it were accepted (i < n, i <= accepted) and accepted if
-    accepted > i."""
-    depth = np.arange(max_drafts)
-    drafted = depth < num_drafts[:, None]
-    return drafted & (depth <= num_accepted[:, None]), drafted & (depth < num_accepted[:, None])
+@functools.cache
+def window_table(max_drafts: int) -> np.ndarray:
+    """[K+1 drafts, K+1 accepted, 2, K]: the depths a window of n drafts with a accepted tried (row 0) and
+    accepted (row 1), as counts. Depth i was tried if the i drafts before it were accepted (i < n, i <= a)
+    and accepted if a > i.
+
+    NOTE: looked up, not compared: at one row the policy's per-step learning was ~40 us of numpy calls on
+    [1, K] arrays, each costing its call and not its data, and the step's thread waits for the GIL."""
+    n, depth = np.arange(max_drafts + 1), np.arange(max_drafts)
+    drafted = depth[None, None, :] < n[:, None, None]
+    tried = drafted & (depth[None, None, :] <= n[None, :, None])
+    accepted = drafted & (depth[None, None, :] < n[None, :, None])
+    return _frozen(np.stack([tried, accepted], axis=2).astype(np.float64))
+
+
+@functools.cache
+def below(max_drafts: int) -> np.ndarray:
+    """[K+1, K]: row d marks the depths below d, as counts (a request's complete MTP depths)."""
+    return _frozen((np.arange(max_drafts)[None, :] < np.arange(max_drafts + 1)[:, None]).astype(np.float64))
+
+
+def _frozen(table: np.ndarray) -> np.ndarray:
+    table.flags.writeable = False  # NOTE: cached, so shared by every caller
+    return table
 
 
 class DepthAcceptance:
@@ -60,25 +79,24 @@ class DepthAcceptance:
     FIRST_PRIOR = 0.7  # before anything was seen: what trained MTP heads accept at depth 1, roughly
 
     def __init__(self, max_drafts: int, decay: float) -> None:
-        self.tried = np.zeros(max_drafts)
-        self.accepted = np.zeros(max_drafts)
+        self.counts = np.zeros((2, max_drafts))  # tried, accepted
+        self.tried, self.accepted = self.counts[0], self.counts[1]  # NOTE: views, updated in place
         self.decay = decay  # per window
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's windows [R] (windows of no drafts count for nothing)."""
-        tried, accepted = window_counts(num_drafts, num_accepted, self.tried.shape[0])
-        self.add(tried, accepted, int((num_drafts > 0).sum()))
+        windows = window_table(self.tried.shape[0])[num_drafts, num_accepted]
+        self.add(windows, int((num_drafts > 0).sum()))
 
-    def add(self, tried: np.ndarray, accepted: np.ndarray, num_windows: int) -> None:
-        """`window_counts` of a step's windows, `num_windows` of them (each decays what came before)."""
-        factor = self.decay ** num_windows
-        self.tried = self.tried * factor + tried.sum(axis=0)
-        self.accepted = self.accepted * factor + accepted.sum(axis=0)
+    def add(self, windows: np.ndarray, num_windows: int) -> None:
+        """A step's windows as `window_table` counts them [R, 2, K], `num_windows` of them (each decays what
+        came before)."""
+        self.counts *= self.decay ** num_windows
+        self.counts += windows.sum(axis=0)
 
     def fade(self, factor: float) -> None:
         """Weaken the evidence without adding any (the estimate drifts back towards the prior)."""
-        self.tried = self.tried * factor
-        self.accepted = self.accepted * factor
+        self.counts *= factor
 
     def rates(self) -> np.ndarray:
         """[K] conditional acceptance per depth. Each depth's evidence is shrunk towards the estimate of
@@ -104,36 +122,34 @@ class SlotAcceptance:
     HOPE_WEIGHT = 1.0
 
     def __init__(self, num_slots: int, max_drafts: int, decay: float) -> None:
-        self.tried = np.zeros((num_slots, max_drafts))  # [S, K]
-        self.accepted = np.zeros((num_slots, max_drafts))
+        self.counts = np.zeros((num_slots, 2, max_drafts))  # [S, tried/accepted, K]
+        self.tried, self.accepted = self.counts[:, 0], self.counts[:, 1]  # NOTE: views, updated in place
         self.hopeful = np.zeros(num_slots, bool)  # [S] the request's prior is at least the first prior
         self.decay = decay  # per window of the slot's request
 
     def reset(self, slots: np.ndarray, hopeful: np.ndarray | bool = False) -> None:
-        self.tried[slots] = 0.0
-        self.accepted[slots] = 0.0
+        self.counts[slots] = 0.0
         self.hopeful[slots] = hopeful
 
     def observe(self, slots: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
-        """One step's windows [R] of distinct slots, each of at least one draft."""
-        self.add(slots, *window_counts(num_drafts, num_accepted, self.tried.shape[1]))
+        """One step's windows [R] of distinct slots."""
+        self.add(slots, window_table(self.tried.shape[1])[num_drafts, num_accepted])
 
-    def add(self, slots: np.ndarray, tried: np.ndarray, accepted: np.ndarray) -> None:
-        """`window_counts` of one window per slot. A depth's evidence decays only in the windows that try it.
+    def add(self, slots: np.ndarray, windows: np.ndarray) -> None:
+        """One window per slot as `window_table` counts them [R, 2, K]. A depth's evidence decays only in the
+        windows that try it (a window of no drafts changes nothing).
 
         NOTE: a window that does not reach a depth says nothing about it. Decayed by every window, a
         request's evidence at depth 2 was gone ~20 windows into a spell at depth 1, its estimate fell back
         to the instance's (which gaps in the depth's MTP KV keep from learning): on 1024-token outputs at
         four streams the policy priced depth 2 at 2.3 tokens a window where its windows emitted 2.65, and
         stayed at depth 1 for a quarter of the steps (0.89 of k=2)."""
-        decay = np.where(tried, self.decay, 1.0)
-        self.tried[slots] = self.tried[slots] * decay + tried
-        self.accepted[slots] = self.accepted[slots] * decay + accepted
+        decay = 1.0 - (1.0 - self.decay) * windows[:, :1]  # [R, 1, K]: the decay where tried, else 1
+        self.counts[slots] = self.counts[slots] * decay + windows
 
     def fade(self, slots: np.ndarray, factor: float) -> None:
         """Weaken these slots' evidence without adding any (their estimates drift back to the prior)."""
-        self.tried[slots] *= factor
-        self.accepted[slots] *= factor
+        self.counts[slots] *= factor
 
     def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance per depth of these slots' requests."""
@@ -145,7 +161,8 @@ class SlotAcceptance:
         hopeful = self.hopeful[slots, None] & (np.arange(self.tried.shape[1]) == first_doubt(prior))
         weight = np.where(hopeful, self.HOPE_WEIGHT, DepthAcceptance.PRIOR_WEIGHT)
         prior = np.where(hopeful, np.maximum(prior, DepthAcceptance.FIRST_PRIOR), prior)
-        return (self.accepted[slots] + weight * prior) / (self.tried[slots] + weight)
+        counts = self.counts[slots]
+        return (counts[:, 1] + weight * prior) / (counts[:, 0] + weight)
 
     def hoping(self, slots: np.ndarray, drafts: np.ndarray, prior: np.ndarray) -> bool:
         """Whether a hopeful one of these slots' requests drafts [R] as deep as the depth it hopes for

@@ -25,7 +25,7 @@ from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_policy import depth_rates, expected_tokens, pick_depth, row_drafts, worth_pricing
-from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, first_doubt, window_counts
+from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, below, first_doubt, window_table
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
@@ -113,7 +113,7 @@ class Speculation:
         NOTE: the profile's steps had taught the extra of steps with a prompt chunk -6.4 ms at 16 rows,
         which a running mean of serving's steps would take ~500 steps to forget."""
         self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
-        self.requests.reset(np.arange(self.requests.tried.shape[0]))
+        self.requests.reset(np.arange(self.requests.counts.shape[0]))
         self.rows_by_drafts[:] = 0
         self.extra = ServingExtra()
         self.hopes = Hopes()
@@ -152,21 +152,16 @@ class Speculation:
                         complete: np.ndarray) -> None:
         """A step's verified windows [R]: their slots, drafts, drafts accepted, and the MTP depths their
         requests ran in every step (`Request.mtp_depth`)."""
-        if not self.adaptive:
+        if not self.adaptive or not slots.size:
             return
-        drafted = num_drafts > 0
-        if not drafted.all():
-            slots, num_drafts, num_accepted, complete = (a[drafted] for a in (slots, num_drafts, num_accepted,
-                                                                              complete))
-        if not slots.size:
-            return
-        tried, accepted = window_counts(num_drafts, num_accepted, self.max_drafts)
-        self.requests.add(slots, tried, accepted)
+        # NOTE: a window of no drafts adds nothing to either estimate (its counts are 0), so none is filtered out
+        windows = window_table(self.max_drafts)[num_drafts, num_accepted]  # [R, 2, K]
+        self.requests.add(slots, windows)
         # NOTE: the instance's estimate is every new request's prior: only drafts made over a complete
         # MTP context teach it, or a busy spell (little drafting, gaps) would lower it for the quiet
         # one after it
-        whole = np.arange(self.max_drafts) < complete[:, None]
-        self.instance.add(tried & whole, accepted & whole, int((complete > 0).sum()))
+        whole = below(self.max_drafts)[np.minimum(complete, self.max_drafts)]  # [R, K]
+        self.instance.add(windows * whole[:, None, :], int(((complete > 0) & (num_drafts > 0)).sum()))
 
     def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
         """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical

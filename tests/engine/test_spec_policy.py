@@ -217,6 +217,10 @@ def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
     windows = DepthAcceptance(K, decay=0.999)
     windows.observe(np.array([0, 2]), np.array([0, 2]))  # a window of no drafts counts for nothing
     assert windows.tried.tolist() == [1.0, 1.0, 0.0] and windows.accepted.tolist() == [1.0, 1.0, 0.0]
+    table = SlotAcceptance(2, K, decay=0.9)
+    table.observe(np.array([0, 1]), np.array([K, 0]), np.array([1, 0]))  # K drafts, the first accepted; none
+    assert table.tried.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    assert table.accepted.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
 def test_the_step_costs_split_the_device_time_into_target_and_depths():
