@@ -94,6 +94,13 @@ class DepthAcceptance:
         self.counts *= self.decay ** num_windows
         self.counts += windows.sum(axis=0)
 
+    def add_each(self, windows: list[tuple[int, int]]) -> None:
+        """A step's windows as `add` counts them, each as its (drafts, accepted) (a step of a few rows)."""
+        self.counts *= self.decay ** len(windows)
+        table = window_table(self.tried.shape[0])
+        for drafts, accepted in windows:
+            self.counts += table[drafts, accepted]
+
     def fade(self, factor: float) -> None:
         """Weaken the evidence without adding any (the estimate drifts back towards the prior)."""
         self.counts *= factor
@@ -126,6 +133,8 @@ class SlotAcceptance:
         self.tried, self.accepted = self.counts[:, 0], self.counts[:, 1]  # NOTE: views, updated in place
         self.hopeful = np.zeros(num_slots, bool)  # [S] the request's prior is at least the first prior
         self.decay = decay  # per window of the slot's request
+        # NOTE: [K+1, K+1, 1, K]: per window, the decay where it tried, as `add` computes it
+        self._decays = _frozen(1.0 - (1.0 - decay) * window_table(max_drafts)[:, :, :1])
 
     def reset(self, slots: np.ndarray, hopeful: np.ndarray | bool = False) -> None:
         self.counts[slots] = 0.0
@@ -147,9 +156,19 @@ class SlotAcceptance:
         decay = 1.0 - (1.0 - self.decay) * windows[:, :1]  # [R, 1, K]: the decay where tried, else 1
         self.counts[slots] = self.counts[slots] * decay + windows
 
+    def add_window(self, slot: int, num_drafts: int, num_accepted: int) -> None:
+        """One slot's window, as `add` counts it, in place in the slot's row (a step of a few rows)."""
+        counts = self.counts[slot]  # [2, K], a view
+        counts *= self._decays[num_drafts, num_accepted]
+        counts += window_table(self.tried.shape[1])[num_drafts, num_accepted]
+
     def fade(self, slots: np.ndarray, factor: float) -> None:
         """Weaken these slots' evidence without adding any (their estimates drift back to the prior)."""
         self.counts[slots] *= factor
+
+    def fade_depths(self, slots: np.ndarray, depths: np.ndarray, factor: float) -> None:
+        """Weaken these slots' evidence at some depths (`depths` [R, K], True where) without adding any."""
+        self.counts[slots] *= np.where(depths, factor, 1.0)[:, None, :]
 
     def rates(self, slots: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance per depth of these slots' requests."""

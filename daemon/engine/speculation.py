@@ -54,6 +54,20 @@ FADE = 0.9999
 # gives it no drafts weakens its own evidence by REQUEST_FADE (half of it in two decisions), back towards
 # the instance's estimate. A hopeful request keeps its evidence: its hope is for one window.
 REQUEST_FADE = 0.7
+# NOTE: likewise a request that drafts fewer than a depth never tries it again, so a few rejections there
+# cut it for the rest of its life: in one process at one stream on 1,024-token outputs, 13% of rows were
+# cut to one draft (1.97 tokens a step, 2.12 for k=2). At each decision, the depths beyond a row's drafts
+# where its estimate is below the instance's lose what the windows since the last decision would have
+# aged had they tried them (`_fade_doubted`), so such a request tries them again within a few holds. Its
+# evidence above the instance's is kept: faded back to the instance's, a request's good depth 2 was priced
+# low after a spell at depth 1 (SlotAcceptance.add says what that cost).
+
+# NOTE: a step of at most this many rows learns its windows row by row (`_observe_few`), each in place
+# from its table entry: at one row the whole-step form's dozen numpy calls on [1, 2, K] arrays took ~23 us
+# a step, each costing its call and not its data, and row by row ~7 us (at four rows 24 and 18 us; at
+# eight the whole-step form is faster). Served at one stream, with the loop's other work between steps,
+# the whole-step form was ~75 us a step, 1.7% of a k=2 step.
+FEW_ROWS = 4
 
 _Count = TypeVar("_Count", int, np.ndarray)  # a count, or an array of counts
 
@@ -81,6 +95,8 @@ class Speculation:
         self._slot_caps = np.full(num_slots, max_drafts, np.int64)
         self._slot_pinned = np.zeros(num_slots, bool)
         self.traffic = Traffic()
+        self._steps = 0  # steps the policy chose drafts for
+        self._decided_at = 0  # `_steps` at the last decision
 
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
@@ -154,6 +170,9 @@ class Speculation:
         requests ran in every step (`Request.mtp_depth`)."""
         if not self.adaptive or not slots.size:
             return
+        if slots.size <= FEW_ROWS:
+            self._observe_few(slots.tolist(), num_drafts.tolist(), num_accepted.tolist(), complete.tolist())
+            return
         # NOTE: a window of no drafts adds nothing to either estimate (its counts are 0), so none is filtered out
         windows = window_table(self.max_drafts)[num_drafts, num_accepted]  # [R, 2, K]
         self.requests.add(slots, windows)
@@ -162,6 +181,21 @@ class Speculation:
         # one after it
         whole = below(self.max_drafts)[np.minimum(complete, self.max_drafts)]  # [R, K]
         self.instance.add(windows * whole[:, None, :], int(((complete > 0) & (num_drafts > 0)).sum()))
+
+    def _observe_few(self, slots: list[int], num_drafts: list[int], num_accepted: list[int],
+                     complete: list[int]) -> None:
+        """`observe_windows` row by row, for a step of a few rows: the same counts."""
+        # NOTE: what the instance learns of a window is its complete depths: the table's window of at most
+        # as many drafts and accepted drafts as those depths
+        whole = []
+        for slot, drafts, accepted, depths in zip(slots, num_drafts, num_accepted, complete):
+            if not drafts:
+                continue
+            self.requests.add_window(slot, drafts, accepted)
+            if depths > 0:
+                whole.append((min(drafts, depths), min(accepted, depths)))
+        if whole:
+            self.instance.add_each(whole)
 
     def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
         """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical
@@ -179,6 +213,7 @@ class Speculation:
 
         NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
         Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
+        self._steps += 1
         prefill = sum(row.num_tokens for row in plan.rows if row.is_prefill)
         if prefill:
             self.traffic.observe_chunk(prefill)
@@ -255,6 +290,7 @@ class Speculation:
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
         self._fade_idle(slots[emits], drafts[emits])
+        self._fade_doubted(slots[emits], drafts[emits], rates, prior)
         length = hold_length(held, depth, len(caps_e))
         self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
@@ -289,6 +325,19 @@ class Speculation:
         idle = slots[(drafts == 0) & ~self.requests.hopeful[slots]]
         if idle.size:
             self.requests.fade(idle, REQUEST_FADE)
+
+    def _fade_doubted(self, slots: np.ndarray, drafts: np.ndarray, rates: np.ndarray, prior: np.ndarray) -> None:
+        """The depths beyond each row's drafts [R] where its request's estimate (`rates` [R, K]) is below the
+        instance's (`prior`) drift back towards it by the request's decay for each step since the last
+        decision (REQUEST_FADE's second note).
+
+        NOTE: by steps, not decisions: at one row a decision holds for up to MAX_HOLD_STEPS, and a 128-token
+        request sees two or three. A request that came after the last decision is faded by steps it did not
+        run; its own evidence is that young, so it loses it a little faster."""
+        steps, self._decided_at = self._steps - self._decided_at, self._steps
+        doubted = (np.arange(self.max_drafts) >= drafts[:, None]) & (rates < prior)
+        if steps and doubted.any():
+            self.requests.fade_depths(slots, doubted, self.requests.decay ** steps)
 
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens

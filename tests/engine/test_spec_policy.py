@@ -11,6 +11,7 @@ from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_draft
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance
+from mtpserve.engine import speculation
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -221,6 +222,27 @@ def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
     table.observe(np.array([0, 1]), np.array([K, 0]), np.array([1, 0]))  # K drafts, the first accepted; none
     assert table.tried.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
     assert table.accepted.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_a_step_of_a_few_rows_learns_as_a_whole_step_would(monkeypatch):
+    """Row by row (a step of up to FEW_ROWS rows) or as one step through the table, the same windows leave
+    the same counts: each request's, and the instance's over the depths complete in each window."""
+    rng = np.random.default_rng(7)
+    steps = []
+    for _ in range(300):
+        rows = int(rng.integers(1, speculation.FEW_ROWS + 1))
+        drafts = rng.integers(0, K + 1, rows)
+        steps.append((rng.choice(6, rows, replace=False), drafts, rng.integers(0, drafts + 1),
+                      rng.integers(0, K + 1, rows)))
+    few, whole = Speculation(K, adaptive=True, num_slots=6), Speculation(K, adaptive=True, num_slots=6)
+    for step in steps:
+        few.observe_windows(*step)
+    monkeypatch.setattr(speculation, "FEW_ROWS", 0)
+    for step in steps:
+        whole.observe_windows(*step)
+    assert few.requests.counts.sum() > 0 and few.instance.counts.sum() > 0
+    assert np.allclose(few.requests.counts, whole.requests.counts, rtol=1e-12)
+    assert np.allclose(few.instance.counts, whole.instance.counts, rtol=1e-12)
 
 
 def test_the_step_costs_split_the_device_time_into_target_and_depths():

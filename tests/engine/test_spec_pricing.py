@@ -82,6 +82,41 @@ def test_a_request_that_stopped_drafting_on_a_few_unlucky_windows_drafts_again()
     assert drafts[-1] >= 1
 
 
+def test_a_request_cut_short_by_a_few_rejections_drafts_deeper_again():
+    """An instance that accepts 0.9 at every depth, and a request whose second drafts were rejected a few
+    times: it drafts one. Drafting one it never tries a second and would keep its doubt all its life; its
+    evidence at the depths it doubts more than the instance fades with the steps instead, and it drafts
+    deeper again within a few holds (its windows now all accepted)."""
+    spec = profiled(0.9)
+    spec.requests.tried[0] = [1000.0, 6.0, 0.0]
+    spec.requests.accepted[0] = [900.0, 0.0, 0.0]
+    plan = one_row(32, K + 1)
+    assert spec.choose(plan).tolist() == [1]
+    drafts = []
+    for _ in range(8 * HOLD_STEPS):
+        drafts.append(k := int(spec.choose(plan)[0]))
+        spec.observe_windows(np.array([0]), np.array([k]), np.array([k]), complete=np.array([K]))
+    assert drafts[0] == 1 and drafts[-1] >= 2
+
+
+def test_a_request_keeps_what_it_learnt_of_a_depth_beyond_its_drafts_where_it_beats_the_instance():
+    """A request capped at one draft whose depth-2 evidence is better than the instance's keeps it, however
+    long it drafts one (faded back, it would price that depth as the instance does)."""
+    spec = profiled(0.5)
+    plan = one_row(32, 2)
+    request = plan.rows[0].request
+    request.params, request.slot = SamplingParams(temperature=0.0, max_draft_tokens=1), 0
+    spec.requests.tried[0] = [100.0, 20.0, 0.0]
+    spec.requests.accepted[0] = [90.0, 19.0, 0.0]
+    before = spec.requests.counts[0].copy()
+    spec.choose(SchedulePlan(plan.rows, (request,), (), ()))
+    spec.requests.counts[0] = before  # NOTE: taking the slot reset it
+    for _ in range(8 * HOLD_STEPS):
+        assert spec.choose(plan).tolist() == [1]
+    assert spec.requests.counts[0, :, 1].tolist() == before[:, 1].tolist()
+    assert spec.requests.counts[0, 1, 2] == 0.0
+
+
 def test_a_decision_repeated_at_a_steady_load_holds_longer():
     """At a steady load the policy decides again after HOLD_STEPS, then after twice as many steps each time
     it decides the same, up to MAX_HOLD_STEPS: deciding costs Python the step's thread waits for. A change
