@@ -10,8 +10,6 @@ from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance
-from mtpserve.engine import speculation
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -177,72 +175,6 @@ def test_the_profile_learns_what_attention_costs_per_position_and_charges_it_to_
     assert costs.decode(16) == pytest.approx(1e-3 + 1.6e-3, rel=0.15)
     short, long = (StepLoad(16, 4, 3, False, 4, 4 * ctx) for ctx in (32, 1024))
     assert costs.device(long) - costs.device(short) == pytest.approx((0.4e-6 + 3 * 0.1e-6) * 4 * 992, rel=0.15)
-
-
-def test_each_slot_learns_from_its_own_windows_and_a_new_request_starts_from_the_prior():
-    table, prior = SlotAcceptance(num_slots=4, max_drafts=K, decay=0.9), np.full(K, 0.7)
-    for _ in range(50):  # slot 0 accepts every draft, slot 1 none (so only its depth 1 is ever tried)
-        table.observe(np.array([0, 1]), np.array([K, K]), np.array([K, 0]))
-    got = table.rates(np.array([0, 1, 2]), prior)
-    assert got[0].min() > 0.9
-    assert got[1, 0] < 0.25 and np.allclose(got[1, 1:], prior[1:])  # ~10 windows of evidence against 4 of prior
-    assert np.allclose(got[2], prior)  # a slot that saw nothing
-    table.reset(np.array([0]))
-    assert np.allclose(table.rates(np.array([0]), prior), prior)
-
-
-def test_a_spell_of_shallower_windows_keeps_what_a_request_learnt_of_the_deeper_depths():
-    """Windows that do not reach a depth say nothing of it: a request whose second drafts were accepted
-    keeps that estimate through 40 windows of one draft (decayed by them, its estimate of depth 2 was
-    the prior again), while its own depth-1 evidence keeps following its windows."""
-    table, prior = SlotAcceptance(num_slots=1, max_drafts=K, decay=0.9), np.full(K, 0.5)
-    for _ in range(20):
-        table.observe(np.array([0]), np.array([2]), np.array([2]))
-    before = table.rates(np.array([0]), prior)[0]
-    for i in range(40):  # one draft a window, accepted three times in four
-        table.observe(np.array([0]), np.array([1]), np.array([int(i % 4 < 3)]))
-    after = table.rates(np.array([0]), prior)[0]
-    assert before[1] > 0.8 and after[1] == before[1]
-    assert 0.6 < after[0] < 0.85  # depth 1 followed the last windows
-    assert np.allclose(after[2], prior[2])  # never tried
-
-
-def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
-    """A request whose MTP KV has gaps beyond depth 1 (a step ran one depth) teaches the instance's prior
-    its first depth only; its own estimate learns every depth."""
-    spec = Speculation(K, adaptive=True, num_slots=2)
-    for _ in range(100):
-        spec.observe_windows(np.array([0]), np.array([K]), np.array([0]), complete=np.array([1]))
-    assert spec.instance.tried[0] > 0 and spec.instance.tried[1:].sum() == 0
-    assert spec.requests.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.25
-    windows = DepthAcceptance(K, decay=0.999)
-    windows.observe(np.array([0, 2]), np.array([0, 2]))  # a window of no drafts counts for nothing
-    assert windows.tried.tolist() == [1.0, 1.0, 0.0] and windows.accepted.tolist() == [1.0, 1.0, 0.0]
-    table = SlotAcceptance(2, K, decay=0.9)
-    table.observe(np.array([0, 1]), np.array([K, 0]), np.array([1, 0]))  # K drafts, the first accepted; none
-    assert table.tried.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
-    assert table.accepted.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-
-
-def test_a_step_of_a_few_rows_learns_as_a_whole_step_would(monkeypatch):
-    """Row by row (a step of up to FEW_ROWS rows) or as one step through the table, the same windows leave
-    the same counts: each request's, and the instance's over the depths complete in each window."""
-    rng = np.random.default_rng(7)
-    steps = []
-    for _ in range(300):
-        rows = int(rng.integers(1, speculation.FEW_ROWS + 1))
-        drafts = rng.integers(0, K + 1, rows)
-        steps.append((rng.choice(6, rows, replace=False), drafts, rng.integers(0, drafts + 1),
-                      rng.integers(0, K + 1, rows)))
-    few, whole = Speculation(K, adaptive=True, num_slots=6), Speculation(K, adaptive=True, num_slots=6)
-    for step in steps:
-        few.observe_windows(*step)
-    monkeypatch.setattr(speculation, "FEW_ROWS", 0)
-    for step in steps:
-        whole.observe_windows(*step)
-    assert few.requests.counts.sum() > 0 and few.instance.counts.sum() > 0
-    assert np.allclose(few.requests.counts, whole.requests.counts, rtol=1e-12)
-    assert np.allclose(few.instance.counts, whole.instance.counts, rtol=1e-12)
 
 
 def test_the_step_costs_split_the_device_time_into_target_and_depths():
