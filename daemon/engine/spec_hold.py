@@ -29,14 +29,19 @@ def same_load(held: int, now: int) -> bool:
     return ServingExtra.bucket(held) == ServingExtra.bucket(now)
 
 
-def hold_length(held: Hold | None, depth: int, num_emitting: int) -> int:
+def hold_length(held: Hold | None, depth: int, num_emitting: int, clear: bool) -> int:
     """Steps a new decision holds for: HOLD_STEPS, or twice the last one's if it decided the same depth at
-    exactly as many rows (MAX_HOLD_STEPS at most).
+    exactly as many rows, or within the half octave when the choice is `clear` (spec_policy.is_clear);
+    MAX_HOLD_STEPS at most.
 
-    NOTE: not within the half octave: doubled there too, a marginal choice of depth 2 at ~16 rows held for
-    up to 64 steps, and adaptive drafted 2 deep for 20-24% of rows in two of three rounds at 16 streams on
-    code (0.91 of k=1); doubled only at exactly as many rows, 0% and 0.98-1.00 of k=1 in three rounds."""
-    if held is not None and held.depth == depth and held.num_emitting == num_emitting:
+    NOTE: not within the half octave for every choice: doubled there too, a marginal choice of depth 2 at
+    ~16 rows held for up to 64 steps, and adaptive drafted 2 deep for 20-24% of rows in two of three rounds
+    at 16 streams on code (0.91 of k=1); doubled only at exactly as many rows, 0% and 0.98-1.00 of k=1 in
+    three rounds. But at 16-64 streams the rows that emit are seldom exactly as many twice, so every
+    decision held HOLD_STEPS: at 64 rows drafting nothing (random words), a decision every ~8 steps at
+    ~400-500 us was half the policy's host work, and the engine served 0.98 of k=0."""
+    if held is not None and held.depth == depth and (
+            held.num_emitting == num_emitting or clear and same_load(held.num_emitting, num_emitting)):
         return min(2 * held.length, MAX_HOLD_STEPS)
     return HOLD_STEPS
 

@@ -63,6 +63,12 @@ def pick_depth(rates: dict[int, float], current: int, margin: float) -> int:
     return best
 
 
+def is_clear(rates: dict[int, float], depth: int, margin: float) -> bool:
+    """Whether `depth` beats every other depth by more than `margin`: a choice that the noise of a few
+    steps, or a few rows more or less, would not change."""
+    return all(rate * (1 + margin) < rates[depth] for other, rate in rates.items() if other != depth)
+
+
 def worth_pricing(rates: dict[int, float], depth: int, band: float) -> bool:
     """Whether the depth after `depth` is within `band` of it: close enough that the price it has is worth
     checking by running it (a price borrowed from another depth can be off by more than that)."""

@@ -24,7 +24,8 @@ from mtpserve.engine.spec_cost import StepCosts, StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
-from mtpserve.engine.spec_policy import depth_rates, expected_tokens, pick_depth, row_drafts, worth_pricing
+from mtpserve.engine.spec_policy import (depth_rates, expected_tokens, is_clear, pick_depth, row_drafts,
+                                          worth_pricing)
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, below, first_doubt, window_table
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
@@ -291,7 +292,7 @@ class Speculation:
         hoping = self.requests.hoping(slots[emits], chosen, prior)
         self._fade_idle(slots[emits], drafts[emits])
         self._fade_doubted(slots[emits], drafts[emits], rates, prior)
-        length = hold_length(held, depth, len(caps_e))
+        length = hold_length(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN))
         self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
 

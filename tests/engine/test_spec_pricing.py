@@ -140,6 +140,18 @@ def test_a_decision_repeated_at_a_steady_load_holds_longer():
     assert out.getvalue().count("#d ") == decisions + 1
 
 
+def emitting_plan(num_rows: int, chunks: int, window: int = K + 1, kv: int = 300) -> SchedulePlan:
+    """`num_rows` rows after `kv` tokens of KV, of which the last `chunks` prefill a middle chunk (they do
+    not emit) and the others verify a window of `window` tokens."""
+    rows = []
+    for i in range(num_rows):
+        request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
+        request.num_kv_tokens = kv
+        prefill = i >= num_rows - chunks
+        rows.append(ScheduledRow(request, 0, i, prefill, 64 if prefill else window, 0, not prefill))
+    return SchedulePlan(tuple(rows), (), (), ())
+
+
 def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave():
     """At 64 streams the rows that emit change almost every step (a prompt's middle chunk does not emit,
     its last one does); a decision each time was most of the policy's host work. A decision made at 64
@@ -147,24 +159,42 @@ def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave(
     spec = Speculation(K, adaptive=True, num_slots=64)
     out = io.StringIO()
     spec.trace = StepTrace(out)
-
-    def plan(chunks: int) -> SchedulePlan:
-        """64 rows of which the last `chunks` prefill a middle chunk (they do not emit)."""
-        rows = []
-        for i in range(64):
-            request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
-            request.num_kv_tokens = 300
-            prefill = i >= 64 - chunks
-            rows.append(ScheduledRow(request, 0, i, prefill, 64 if prefill else K + 1, 0, not prefill))
-        return SchedulePlan(tuple(rows), (), (), ())
-
-    spec.choose(plan(0))
+    spec.choose(emitting_plan(64, 0))
     assert out.getvalue().count("#d ") == 1
     for step in range(HOLD_STEPS - 1):
-        spec.choose(plan(step % 8))  # 57-64 rows emit
+        spec.choose(emitting_plan(64, step % 8))  # 57-64 rows emit
     assert out.getvalue().count("#d ") == 1
-    spec.choose(plan(32))
+    spec.choose(emitting_plan(64, 32))
     assert out.getvalue().count("#d ") == 2
+
+
+@pytest.mark.parametrize("acceptance, clear", [(0.02, True), (0.3, False)])
+def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same_half_octave(acceptance, clear):
+    """64 rows on a device where a decode step takes 10 ms plus 0.5 ms a draft slot of the window plus 3 ms
+    a depth, and 58-64 of them emit, never as many at a decision as at the one before. Where nothing is accepted (0.02)
+    depth 0 beats depth 1 by a third, and the decision holds twice as long each time it repeats, up to
+    MAX_HOLD_STEPS (a decision every HOLD_STEPS was half the policy's host work at 64 streams drafting
+    nothing). At 0.3, depth 0 beats depth 1 by ~4%, within the switch margin: it holds HOLD_STEPS, as a
+    marginal choice must (held longer, one such at 16 rows cost 9%)."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    for kv in (32, 384):
+        for depth in range(K + 1):
+            load = spec.shape(emitting_plan(64, 0, depth + 1, kv), np.full(64, depth))
+            target, drafts = 10e-3 + 0.5e-3 * depth, 3e-3 * depth
+            for _ in range(Curve.MIN_SAMPLES):
+                spec.costs.observe(load, target + drafts, StepTiming(target, drafts))
+    spec.costs.freeze()
+    spec.instance.tried[:] = spec.requests.tried[:] = 1000.0
+    spec.instance.accepted[:] = spec.requests.accepted[:] = 1000.0 * acceptance
+    out = io.StringIO()
+    spec.trace = StepTrace(out)
+    for step in range(1000):
+        assert spec.choose(emitting_plan(64, step % 7)).max() == 0  # 58-64 rows emit
+    decisions = out.getvalue().count("#d ")
+    if clear:
+        assert decisions <= 1000 // MAX_HOLD_STEPS + 5
+    else:
+        assert decisions >= 1000 // HOLD_STEPS - 2
 
 
 def test_a_prompt_chunk_is_priced_per_number_of_depths_as_measured():
