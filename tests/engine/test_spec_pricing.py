@@ -168,14 +168,9 @@ def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave(
     assert out.getvalue().count("#d ") == 2
 
 
-@pytest.mark.parametrize("acceptance, clear", [(0.02, True), (0.3, False)])
-def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same_half_octave(acceptance, clear):
-    """64 rows on a device where a decode step takes 10 ms plus 0.5 ms a draft slot of the window plus 3 ms
-    a depth, and 58-64 of them emit, never as many at a decision as at the one before. Where nothing is accepted (0.02)
-    depth 0 beats depth 1 by a third, and the decision holds twice as long each time it repeats, up to
-    MAX_HOLD_STEPS (a decision every HOLD_STEPS was half the policy's host work at 64 streams drafting
-    nothing). At 0.3, depth 0 beats depth 1 by ~4%, within the switch margin: it holds HOLD_STEPS, as a
-    marginal choice must (held longer, one such at 16 rows cost 9%)."""
+def sixty_four_rows(acceptance: float) -> Speculation:
+    """A policy for 64 rows on a device where a decode step takes 10 ms plus 0.5 ms a draft slot of the
+    window plus 3 ms a depth, whose requests and instance accept `acceptance` at every depth."""
     spec = Speculation(K, adaptive=True, num_slots=64)
     for kv in (32, 384):
         for depth in range(K + 1):
@@ -186,6 +181,17 @@ def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same
     spec.costs.freeze()
     spec.instance.tried[:] = spec.requests.tried[:] = 1000.0
     spec.instance.accepted[:] = spec.requests.accepted[:] = 1000.0 * acceptance
+    return spec
+
+
+@pytest.mark.parametrize("acceptance, clear", [(0.02, True), (0.3, False)])
+def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same_half_octave(acceptance, clear):
+    """64 rows (`sixty_four_rows`), 58-64 of them emitting, never as many at a decision as at the one before.
+    Where nothing is accepted (0.02) depth 0 beats depth 1 by a third, and the decision holds twice as long
+    each time it repeats, up to MAX_HOLD_STEPS (a decision every HOLD_STEPS was half the policy's host work
+    at 64 streams drafting nothing). At 0.3, depth 0 beats depth 1 by ~4%, within the switch margin: it
+    holds HOLD_STEPS, as a marginal choice must (held longer, one such at 16 rows cost 9%)."""
+    spec = sixty_four_rows(acceptance)
     out = io.StringIO()
     spec.trace = StepTrace(out)
     for step in range(1000):
@@ -195,6 +201,31 @@ def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same
         assert decisions <= 1000 // MAX_HOLD_STEPS + 5
     else:
         assert decisions >= 1000 // HOLD_STEPS - 2
+
+
+def test_a_seeded_sample_drafts_its_cap_while_a_decision_for_depth_0_holds():
+    """While a decision for depth 0 holds at 64 rows, every row drafts nothing by a short path; a seeded
+    sample admitted meanwhile still drafts its cap in every step it is in, as its seed promises, and the
+    others nothing."""
+    spec = sixty_four_rows(0.02)
+    first = emitting_plan(64, 0)
+    for row in first.rows:
+        row.request.slot = row.slot
+    # NOTE: admitted as one step's inserts: hopes back off where nothing is accepted, and the 65th request
+    # does not hope (a hope would end the hold)
+    spec.choose(SchedulePlan(first.rows, tuple(row.request for row in first.rows), (), ()))
+    for step in range(20):
+        assert spec.choose(emitting_plan(64, step % 7)).max() == 0
+    rows = list(emitting_plan(64, 0).rows)
+    seeded = Request(EngineRequest(99, (1, 2, 3), SamplingParams(temperature=1.0, seed=7, max_draft_tokens=2)), 99, 0)
+    seeded.slot = 5
+    rows[5] = ScheduledRow(seeded, 0, 5, False, 3, 0, True)
+    # NOTE: its drafts make the step run depth 2, so a row still hoping for depth 1 may draft there too
+    hopeless = ~spec.requests.hopeful[:64]
+    hopeless[5] = False
+    for plan in (SchedulePlan(tuple(rows), (seeded,), (), ()), *[SchedulePlan(tuple(rows), (), (), ())] * 10):
+        drafts = spec.choose(plan)
+        assert drafts[5] == 2 and not drafts[hopeless].any()
 
 
 def test_a_prompt_chunk_is_priced_per_number_of_depths_as_measured():
