@@ -91,12 +91,12 @@ class ServingExtra:
             return self.measured(num_emitting, depth=depth) if has_prefill else 0.0
         return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]
 
-    def borrowed(self, num_emitting: int, depth: int, in_use: int) -> bool:
-        """Whether decode steps at this depth are priced here with a mean the depth in use taught: they
+    def borrowed(self, num_emitting: int, depth: int) -> bool:
+        """Whether decode steps at this depth are priced here with a mean the depth before it taught: they
         have no recent mean of their own at these rows, that depth has, and this depth was not sought here
         (`seek`) within the last STALE_STEPS of the cell's steps."""
         key = (False, self.bucket(num_emitting))
-        if self._has_own((*key, depth)) or not self._has_own((*key, in_use)):
+        if self._has_own((*key, depth)) or not self._has_own((*key, depth - 1)):
             return False
         sought = self._sought.get((*key, depth))
         return sought is None or self._count[key] - sought > self.STALE_STEPS

@@ -10,8 +10,8 @@ wide as the widest), so the policy decides in two parts:
    the load these rows make at D; a deeper one than the depth in use must beat it by a margin, since
    going deeper leaves gaps in the new depths' MTP KV and noise must not flip it (a shallower one leaves
    none, and is taken as soon as it is the best);
-   A neighbouring depth within a band of the depth in use whose price is borrowed from it (what serving
-   adds to a step, spec_extra.py) is first run for a few steps to price it (`worth_pricing`, speculation.py);
+   A deeper depth within a band of the depth in use whose price is borrowed from it (what serving adds
+   to a step, spec_extra.py) is first run for a few steps to price it (`worth_pricing`, speculation.py);
 2. each row's drafts k_r <= min(D, cap_r): draft j is worth its window slot when the chance that it is
    reached and accepted, prod_{i<=j} a_i, exceeds what the slot costs in tokens: the step's rate times
    the seconds one more window token adds. A request whose drafts are rarely accepted drafts less.
@@ -69,10 +69,10 @@ def is_clear(rates: dict[int, float], depth: int, margin: float) -> bool:
     return all(rate * (1 + margin) < rates[depth] for other, rate in rates.items() if other != depth)
 
 
-def worth_pricing(rates: dict[int, float], depth: int, other: int, band: float) -> bool:
-    """Whether depth `other` is within `band` of `depth`: close enough that the price it has is worth
+def worth_pricing(rates: dict[int, float], depth: int, band: float) -> bool:
+    """Whether the depth after `depth` is within `band` of it: close enough that the price it has is worth
     checking by running it (a price borrowed from another depth can be off by more than that)."""
-    return other in rates and rates[other] >= (1 - band) * rates[depth]
+    return depth + 1 in rates and rates[depth + 1] >= (1 - band) * rates[depth]
 
 
 def row_drafts(acceptance: np.ndarray, depth: int, caps: np.ndarray, floors: np.ndarray,

@@ -37,9 +37,9 @@ SWITCH_MARGIN = 0.05
 # serving's depth-0 steps took 9-10 ms more than the profile's curves (their KV, ~80 MB, no longer fits the
 # cache; the profile's did) and depth-1 steps ~4 ms more (the curves already charge their second query
 # per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and never
-# ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A
-# neighbouring depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a
-# few steps (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one (`_depth_to_price`).
+# ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
+# depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
+# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
 PRICE_BAND = 0.10
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
@@ -285,12 +285,12 @@ class Speculation:
 
         per_second = depth_rates(gain, caps_e, floors, period)
         depth = self._depth = pick_depth(per_second, self._depth, SWITCH_MARGIN)
-        seek = self._depth_to_price(per_second, depth, len(caps_e))
+        seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
         if self.trace is not None:
-            self._trace_decision(self.trace, depth if seek is None else seek, gain, caps_e, floors,
+            self._trace_decision(self.trace, depth + 1 if seeking else depth, gain, caps_e, floors,
                                  (period, prompts, extra))
-        if seek is not None:
-            drafts[emits] = self._seek_price(len(caps_e), seek, caps_e, floors)
+        if seeking:
+            drafts[emits] = self._seek_price(len(caps_e), depth + 1, caps_e, floors)
             return drafts
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
@@ -308,18 +308,6 @@ class Speculation:
         length = hold_length(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN))
         self._held = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost, length)
         return drafts
-
-    def _depth_to_price(self, per_second: dict[int, float], depth: int, num_emitting: int) -> int | None:
-        """The neighbouring depth to run for a few steps to price it (PRICE_BAND), deeper first; None if neither.
-
-        NOTE: shallower too: at four streams on code a depth-2 spell priced depth 1 with depth 2's serving
-        extra (~1 ms a step), ~19% high against what the fixed ks served (2.7 against 4.1 ms a step), and
-        only the deeper depth was ever run to be priced: adaptive drafted 2 deep for 66% of rows where k=1
-        served 11% more. Going shallower leaves no gaps in the MTP KV, so its price costs little."""
-        for other in (depth + 1, depth - 1):
-            if worth_pricing(per_second, depth, other, PRICE_BAND) and self.extra.borrowed(num_emitting, other, depth):
-                return other
-        return None
 
     def _trace_decision(self, trace: StepTrace, depth: int, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
                         parts: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]]) -> None:
@@ -339,8 +327,7 @@ class Speculation:
     def _seek_price(self, num_emitting: int, depth: int, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
         """The emitting rows' drafts (caps, floors: theirs) while decode steps at `depth` are run to price it:
         every row drafts it (or its cap), as the rates that made it worth pricing assumed. The depth in use
-        stays what it was: going deeper is still decided with the margin, and shallower without, on the
-        new price.
+        stays what it was: going deeper is still decided with the margin, on the new price.
 
         NOTE: held with no slot cost, so the held steps keep every row's full window."""
         self.extra.seek(num_emitting, depth)

@@ -365,16 +365,3 @@ def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_
     spec = profiled(0.05)
     spec._depth = 0
     assert set(serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.0, 3: 0.0})) == {0}
-
-
-def test_a_shallower_depth_priced_with_what_serving_adds_to_the_depth_in_use_is_run_to_price_it():
-    """Serving adds 0.3 ms to a step at depths 0, 2 and 3, and nothing at depth 1 (at four streams on code,
-    depth 1 priced with depth 2's extra was ~19% high). At depth 2 in use, depth 1 priced with depth 2's
-    0.3 ms looks 8% worse; run for a few steps it is priced by its own, is ~15% better, and the policy
-    serves at depth 1 (a shallower depth is taken as soon as it is best). Without those steps it stayed at
-    depth 2 for good."""
-    spec = profiled(0.95)
-    spec._depth = 2
-    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.3, 3: 0.3})
-    assert ran[:20].count(2) >= ServingExtra.MIN_SAMPLES  # depth 2 first, learning what serving adds to it
-    assert ran[1000:].count(1) >= 0.9 * 2000
