@@ -14,7 +14,7 @@ the load. Greedy and unseeded requests are adaptive.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from mtpserve.engine.spec_cost import StepCosts, StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
+from mtpserve.engine.spec_load import context, decode_loads, prefill_and_emitting
 from mtpserve.engine.spec_policy import (depth_rates, expected_tokens, is_clear, pick_depth, row_drafts,
                                           worth_pricing)
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, below, first_doubt, window_table
@@ -69,9 +70,6 @@ REQUEST_FADE = 0.7
 # eight the whole-step form is faster). Served at one stream, with the loop's other work between steps,
 # the whole-step form was ~75 us a step, 1.7% of a k=2 step.
 FEW_ROWS = 4
-
-_Count = TypeVar("_Count", int, np.ndarray)  # a count, or an array of counts
-
 
 class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool, num_slots: int) -> None:
@@ -142,7 +140,7 @@ class Speculation:
         emitting = sum(row.emits for row in plan.rows)
         # NOTE: only the policy reads the context (a fixed k would walk every row for nothing)
         return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
-                        _context(plan) if self.adaptive else 0)
+                        context(plan) if self.adaptive else 0)
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> Prediction:
         """A finished step: its load, its period, the device thread's times. Returns what the model made
@@ -215,7 +213,7 @@ class Speculation:
         NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
         Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
         self._steps += 1
-        prefill, num_emitting = _prefill_and_emitting(plan)
+        prefill, num_emitting = prefill_and_emitting(plan)
         if prefill:
             self.traffic.observe_chunk(prefill)
         if plan.inserts:
@@ -265,7 +263,7 @@ class Speculation:
             return drafts
         prior = self.instance.rates()
         rates = self.requests.rates(slots[emits], prior)
-        loads = [_decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
+        loads = [decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
         gain = expected_tokens(rates)
         emitting = np.arange(len(caps_e))
 
@@ -363,50 +361,6 @@ class Prediction(NamedTuple):
 
     device: float  # the device's time on a quiet host (the start-up profile's curves)
     period: float  # the period: that time plus what serving adds at its rows
-
-
-def _prefill_and_emitting(plan: SchedulePlan) -> tuple[int, int]:
-    """The plan's prompt tokens and the rows that emit, in one pass."""
-    prefill = emitting = 0
-    for row in plan.rows:
-        if row.is_prefill:
-            prefill += row.num_tokens
-        emitting += row.emits
-    return prefill, emitting
-
-
-def _context(plan: SchedulePlan) -> int:
-    """`StepLoad.context`: what the step's attention reads. A decode window's tokens each read the row's KV
-    (query-key pairs: its width times its KV length at the end of it); a prompt chunk counts its KV
-    length at the end of it once (its attention is the mixed curve's).
-
-    NOTE: the attention kernel (ops_ext/paged_attention.cc) reads a row's keys once but dots every query
-    with every key. At one row on this host, 224 more positions of context added 0.07 ms to a depth-0
-    step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
-    priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
-    return sum(row.start_pos + row.num_tokens if row.is_prefill
-               else _pairs(row.num_tokens, row.request.num_kv_tokens) for row in plan.rows)
-
-
-def _pairs(width: _Count, kv: _Count) -> _Count:
-    """A decode window's (query token, key) pairs: `width` tokens after `kv` tokens of KV."""
-    return width * (kv + width)
-
-
-def _decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
-                  floors: np.ndarray) -> Callable[[int], StepLoad]:
-    """The load of a decode step of the plan's rows at each depth: every emitting row's window at that
-    depth (caps, floors: of the emitting rows), each prompt chunk's context as `_context` counts it."""
-    chunks = sum(row.start_pos + row.num_tokens for row in plan.rows if row.is_prefill)
-    kv = np.array([0 if row.is_prefill else row.request.num_kv_tokens for row in plan.rows])[emits]
-    decoding = np.array([not row.is_prefill for row in plan.rows])[emits]
-
-    def load(depth: int) -> StepLoad:
-        window = np.maximum(np.minimum(caps, depth), floors) + 1
-        context = chunks + int(_pairs(window, kv)[decoding].sum())
-        return StepLoad(int(window.sum()), len(plan.rows), depth, False, context=context)
-
-    return load
 
 
 def _is_seeded_sample(request: Request) -> bool:
