@@ -1,6 +1,8 @@
 """How long a decision of the speculation policy holds (speculation.py): deciding costs ~150-250 us of
 Python, and the step's thread waits for the GIL meanwhile, so at a steady load the policy decides once in a
-few steps and keeps the depth (or, while the rows are the same, the very drafts) in between.
+few steps and keeps the depth (or, while the rows are the same, the very drafts) in between. The last decision at
+each count of emitting rows is kept too: when the rows come back to that count within twice its length, it holds
+again for the steps it has left (speculation.Speculation._resume).
 """
 
 from __future__ import annotations
@@ -57,5 +59,6 @@ class Hold:
     depth: int
     slot_cost: float
     length: int  # the steps it held for when decided
+    at: int = 0  # the policy's steps when decided
     key: tuple[bytes, bytes] = (b"", b"")
     drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))

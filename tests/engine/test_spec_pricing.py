@@ -65,6 +65,7 @@ def test_a_wide_window_pays_for_its_attention_per_query_token():
     spec._depth = 0
     assert spec.choose(one_row(300, K + 1)).tolist() == [1]
     spec._held = None
+    spec._by_rows.clear()  # NOTE: no decision to resume either: a new one at the new context
     assert spec.choose(one_row(32, K + 1))[0] > 1
 
 
@@ -166,6 +167,24 @@ def test_a_decision_holds_while_the_rows_that_emit_stay_in_the_same_half_octave(
     assert out.getvalue().count("#d ") == 1
     spec.choose(emitting_plan(64, 32))
     assert out.getvalue().count("#d ") == 2
+
+
+def test_a_decision_at_these_rows_holds_again_when_the_rows_come_back_to_them():
+    """At four streams the rows that emit go 4, 3, 4 as a request ends and a new one prefills; each change
+    ends the hold. The last decision at 4 rows holds again on the way back (and the one at 3 rows too), until
+    its steps run out; after a long spell at other rows it does not."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    out = io.StringIO()
+    spec.trace = StepTrace(out)
+    for step in range(1200):
+        spec.choose(emitting_plan(4, int(step % 6 == 5)))  # one step in six, a row prefills a middle chunk
+    decisions = out.getvalue().count("#d ")
+    assert decisions <= 2 * (1200 // MAX_HOLD_STEPS + 6)  # each row count's decisions double up to the cap
+    for _ in range(3 * MAX_HOLD_STEPS):
+        spec.choose(emitting_plan(32, 0))
+    before = out.getvalue().count("#d ")
+    spec.choose(emitting_plan(4, 0))
+    assert out.getvalue().count("#d ") == before + 1
 
 
 def sixty_four_rows(acceptance: float) -> Speculation:
