@@ -320,13 +320,18 @@ class Speculation:
         hoping = self.requests.hoping(slots[emits], chosen, prior)
         self._fade_idle(slots[emits], drafts[emits])
         self._fade_doubted(slots[emits], drafts[emits], rates, prior)
-        clear = is_clear(per_second, depth, SWITCH_MARGIN)
-        length = hold_length(held, depth, len(caps_e), clear)
-        if clear:  # NOTE: longer when it repeats the last one at these very rows, others between (`_resume`)
-            length = max(length, hold_length(self._by_rows.get(len(caps_e)), depth, len(caps_e), clear))
-        self._held = self._by_rows[len(caps_e)] = Hold(len(caps_e), 0 if hoping else length - 1, depth, slot_cost,
-                                                       length, at=self._steps)
+        self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
+
+    def _hold(self, held: Hold | None, depth: int, num_emitting: int, clear: bool, hoping: bool,
+              slot_cost: float) -> None:
+        """Hold a new decision (`held`: the last one) for `hold_length` steps, none while a request hopes; a
+        clear one that repeats the last decision at these very rows, others between, doubles it (`_resume`)."""
+        length = hold_length(held, depth, num_emitting, clear)
+        if clear:
+            length = max(length, hold_length(self._by_rows.get(num_emitting), depth, num_emitting, clear))
+        self._held = self._by_rows[num_emitting] = Hold(num_emitting, 0 if hoping else length - 1, depth,
+                                                        slot_cost, length, at=self._steps)
 
     def _trace_decision(self, trace: StepTrace, depth: int, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
                         parts: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]]) -> None:
