@@ -1,14 +1,15 @@
 """Paged KV block accounting: reference-counted fixed-size blocks, and the prefix cache's index of them.
 
 A block is in one of three states:
-  * free: on the free heap, content meaningless;
+  * free: on the free heap, never held since start-up or since the prefix cache was reset;
   * used: `refs > 0` block tables hold it (a cached block may be held by several requests);
-  * evictable: cached (its content is indexed by a hash) but no table holds it. It counts as free:
-    taking a block when the free heap is empty evicts the least recently released evictable block,
-    except that a growing table takes the block right after its last one when that one is evictable
-    and among the older half of them, and a table that takes several of a run released together takes
-    them lowest first (`take(after=..., wanted=...)`: runs of consecutive blocks). A growing table also
-    takes the free block right after its last one before the lowest free id.
+  * released: no table holds it any more; it stays in release order, cached (its content indexed by a
+    hash: *evictable*) or not. It counts as free: taking a block when the free heap is empty takes the
+    least recently released block (evicting it if cached), except that a growing table takes the block
+    right after its last one when that one is released and among the older half of them, and a table
+    that takes several of a run released together takes them lowest first (`take(after=..., wanted=...)`:
+    runs of consecutive blocks). A growing table also takes the free block right after its last one
+    before the lowest free id.
 Only full blocks whose KV a finished step wrote are cached (`register`), and a request writes only into
 blocks it alone holds, so a cached block's content never changes while it is indexed.
 """
@@ -65,8 +66,12 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks))
         self._free_set: set[int] = set(self._free)
         self._refs = [0] * num_blocks
-        # NOTE: oldest first; each value is the block's release tick (`_clock` at `free`), how old it is
-        self._evictable: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # NOTE: oldest first; each value is the block's release tick (`_clock` at `free`), how old it is.
+        # Uncached blocks stay in this order too, beside the cached ones a table released with them: with
+        # k >= 2 a request's decode blocks are never cached, and on the free heap they came back as single
+        # ids that split every table that took them (`free`)
+        self._released: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._num_uncached_released = 0
         self._clock = 0
         self._hash_of: dict[int, bytes] = {}
         # NOTE: several blocks may share a hash, one per lookahead (the same prefix, continued differently)
@@ -76,8 +81,8 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a request can take: free, plus cached ones no table holds (evicted on demand)."""
-        return len(self._free_set) + len(self._evictable)
+        """Blocks a request can take: free, plus released ones (a cached one is evicted on demand)."""
+        return len(self._free_set) + len(self._released)
 
     @property
     def num_used_blocks(self) -> int:
@@ -89,7 +94,8 @@ class BlockManager:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return len(self._evictable)
+        """Cached blocks no table holds."""
+        return len(self._released) - self._num_uncached_released
 
     def refs(self, block: int) -> int:
         return self._refs[block]
@@ -118,10 +124,10 @@ class BlockManager:
 
     def take(self, after: int | None = None, wanted: int = 1) -> int:
         """One block for a table to write into: the block right after `after` (the table's last one) if it
-        is free; else the lowest free one; else the block after `after` when it is an old evictable one
-        (`_continues_run`); else the least recently released evictable one, or, when the table wants more
-        blocks than this one (`wanted`, this one included) and the blocks below it were released with it, the
-        lowest of those that the table will take anyway (`_run_start`). An evictable block taken leaves the
+        is free; else the lowest free one; else the block after `after` when it is an old released one
+        (`_continues_run`); else the least recently released one, or, when the table wants more blocks
+        than this one (`wanted`, this one included) and the blocks below it were released with it, the
+        lowest of those that the table will take anyway (`_run_start`). A cached block taken leaves the
         cache, so none does while free ones remain.
 
         NOTE: the block after a table's last one first, because CPU attention reads a table's blocks in
@@ -138,12 +144,10 @@ class BlockManager:
             block = self._pop_free()
         elif nxt is not None and self._continues_run(nxt):
             block = nxt
-            del self._evictable[block]
-            self._forget(block)
-        elif self._evictable:
-            block = self._run_start(next(iter(self._evictable)), wanted)
-            del self._evictable[block]
-            self._forget(block)
+            self._reuse(block)
+        elif self._released:
+            block = self._run_start(next(iter(self._released)), wanted)
+            self._reuse(block)
         else:
             raise MemoryError("no free KV block")
         self._refs[block] = 1
@@ -157,8 +161,8 @@ class BlockManager:
         pool had cycled, 21-29% of the running tables' neighbouring blocks were consecutive in a replay (K=3,
         16 streams). Starting at the lowest of them, the next takes continue upwards (`_continues_run`) and
         evict the same blocks as in LRU order."""
-        block, tick = oldest, self._evictable[oldest]
-        while wanted > 1 and self._evictable.get(block - 1) == tick + 1:
+        block, tick = oldest, self._released[oldest]
+        while wanted > 1 and self._released.get(block - 1) == tick + 1:
             block, tick, wanted = block - 1, tick + 1, wanted - 1
         return block
 
@@ -170,6 +174,14 @@ class BlockManager:
                 self._free_set.remove(block)
                 return block
 
+    def _reuse(self, block: int) -> None:
+        """A released block leaves the release order for a table; a cached one leaves the cache."""
+        del self._released[block]
+        if block in self._hash_of:
+            self._forget(block)
+        else:
+            self._num_uncached_released -= 1
+
     def _push_free(self, block: int) -> None:
         self._free_set.add(block)
         heapq.heappush(self._free, block)
@@ -177,7 +189,7 @@ class BlockManager:
             self._free = sorted(self._free_set)  # NOTE: a sorted list is a heap
 
     def _continues_run(self, block: int) -> bool:
-        """True if `block` is evictable and was released in the older half of the evictable ones' span.
+        """True if `block` is released and was released in the older half of the released ones' span.
 
         NOTE: CPU attention reads a table's blocks in order, and once the prefix cache has cycled the pool
         they lie anywhere in it: 64 decode rows over scattered 64-token blocks took 1.22-1.27x as long as
@@ -185,10 +197,10 @@ class BlockManager:
         after its last one keeps a run; a scheduler replay at 64 streams found 3% of neighbouring blocks
         consecutive without this and 42% with it. Only older blocks, so that a prefix released recently
         (the likeliest to be matched again) still leaves in LRU order."""
-        released = self._evictable.get(block)
+        released = self._released.get(block)
         if released is None:
             return False
-        oldest = next(iter(self._evictable.values()))
+        oldest = next(iter(self._released.values()))
         return released - oldest <= (self._clock - oldest) // 2
 
     def share(self, block_ids: list[int]) -> None:
@@ -197,7 +209,7 @@ class BlockManager:
             if block not in self._hash_of:
                 raise ValueError(f"KV block {block} is not cached: it cannot be shared")
             if self._refs[block] == 0:
-                del self._evictable[block]
+                del self._released[block]
             self._refs[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -205,17 +217,19 @@ class BlockManager:
         cached until evicted.
 
         NOTE: released last block first, so that under pressure a sequence's tail is evicted before
-        its head: the head is the part other prompts share."""
+        its head: the head is the part other prompts share. Uncached blocks take their place in the
+        order too: on the free heap, a K=3 instance's decode blocks (never cached) came back as single
+        ids, and at 64 streams on code only 33% of the running tables' neighbouring blocks were
+        consecutive, against 58% at k=0, whose every full block is cached; its decode steps' forward pass
+        took 3% longer (docs/architecture.md, Runs of blocks)."""
         for block in reversed(block_ids):
             if self._refs[block] <= 0:
                 raise ValueError(f"double free of KV block {block}")
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                if block in self._hash_of:
-                    self._clock += 1
-                    self._evictable[block] = self._clock
-                else:
-                    self._push_free(block)
+                self._clock += 1
+                self._released[block] = self._clock
+                self._num_uncached_released += block not in self._hash_of
         block_ids.clear()
 
     # ---- the prefix cache's index ---------------------------------------------------------------
@@ -251,18 +265,21 @@ class BlockManager:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block: evictable ones become free, held ones stay with their tables
-        but are matched no more. Returns how many were forgotten."""
+        """Forget every cached block: released ones become free (cached or not), held ones stay with their
+        tables but are matched no more. Returns how many were forgotten."""
         forgotten = list(self._hash_of)
         for block in forgotten:
             self._uncache(block)
+        for block in self._released:
+            self._push_free(block)
+        self._released.clear()
+        self._num_uncached_released = 0
         return len(forgotten)
 
     def _uncache(self, block: int) -> None:
+        """A block the index forgets; a released one keeps its place in the release order."""
         self._forget(block)
-        if block in self._evictable:
-            del self._evictable[block]
-            self._push_free(block)
+        self._num_uncached_released += block in self._released
 
     def _forget(self, block: int) -> None:
         block_hash = self._hash_of.pop(block)
@@ -276,9 +293,10 @@ class BlockManager:
         free = self._free_set
         assert free <= set(self._free), "a free block is missing from the free heap"
         for block in range(self.num_blocks):
-            in_free, evictable = block in free, block in self._evictable
-            assert in_free + evictable + (self._refs[block] > 0) == 1, f"block {block} is in two states"
+            in_free, released = block in free, block in self._released
+            assert in_free + released + (self._refs[block] > 0) == 1, f"block {block} is in two states"
             assert not (in_free and block in self._hash_of), f"free block {block} is still cached"
-            assert not evictable or block in self._hash_of, f"evictable block {block} is not cached"
+        uncached = sum(block not in self._hash_of for block in self._released)
+        assert uncached == self._num_uncached_released, "uncached released count out of step"
         assert all(b in self._blocks_of[h] for b, h in self._hash_of.items()), "hash index out of step"
         assert sum(map(len, self._blocks_of.values())) == len(self._hash_of), "hash index sizes differ"

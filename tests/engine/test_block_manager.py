@@ -39,8 +39,9 @@ def test_double_free_is_detected():
         bm.free(copy)
 
 
-def test_lowest_free_ids_first_so_tables_stay_in_runs():
-    """A PD KV read costs one copy per run of consecutive blocks: hand out the lowest ids first."""
+def test_lowest_free_ids_first_then_released_tables_so_tables_stay_in_runs():
+    """A PD KV read costs one copy per run of consecutive blocks, and CPU attention reads a table's blocks
+    in order: hand out the lowest ids no table held first, then released tables as runs."""
     m = BlockManager(num_blocks=12, block_size=4)
     a, b, c = [], [], []
     for table, num_tokens in ((a, 12), (b, 8), (c, 12)):  # a: 0-2, b: 3-4, c: 5-7
@@ -48,8 +49,9 @@ def test_lowest_free_ids_first_so_tables_stay_in_runs():
     m.free(c)
     m.free(a)
     d = []
-    m.grow(d, 24)  # 6 blocks: 0, 1, 2, 5, 6, 7 -> two runs, not the order they were freed in
-    assert d == [0, 1, 2, 5, 6, 7]
+    m.grow(d, 24)  # 6 blocks: 8-11 never held, then c's last two, in ascending order
+    assert d == [8, 9, 10, 11, 6, 7]
+    m.check()
 
 
 def test_a_growing_table_takes_the_free_block_after_its_last_before_a_lower_one():
@@ -59,7 +61,8 @@ def test_a_growing_table_takes_the_free_block_after_its_last_before_a_lower_one(
     a, b, c = [], [], []
     for table, num_tokens in ((a, 8), (b, 4), (c, 4)):  # a: 0-1, b: 2, c: 3
         m.grow(table, num_tokens)
-    m.free(b)  # free: 2, 4-7
+    m.free(b)
+    m.reset_prefix_cache()  # NOTE: released blocks go back to the free heap: free 2, 4-7
     assert m.grow(c, 8) == [4], "block 4 continues c; the lowest free id (2) would not"
     d = []
     assert m.grow(d, 8) == [2, 5], "a new table starts at the lowest free id"

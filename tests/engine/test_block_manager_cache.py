@@ -141,32 +141,45 @@ def test_a_drafted_lookahead_gives_way_to_a_known_one_and_not_back():
     blocks.check()
 
 
-def test_eviction_takes_free_blocks_first_then_the_least_recently_released():
-    blocks = BlockManager(4, BS)
+def test_eviction_takes_never_held_blocks_first_then_the_least_recently_released():
+    blocks = BlockManager(5, BS)
     old = cache_prompt(blocks, [1, 2, 3, 4, 5])  # blocks 0, 1: block 0 cached
     new = cache_prompt(blocks, [9, 9, 9, 9, 5])  # blocks 2, 3: block 2 cached
-    blocks.free(old)
+    blocks.free(old)  # NOTE: released last block first: 1, 0, then 3, 2
     blocks.free(new)
-    assert blocks.num_evictable_blocks == 2
-    taken = [blocks.take(), blocks.take(), blocks.take()]
-    assert taken[:2] == [1, 3], "uncached free blocks go first"
-    assert taken[2] == 0, "then the cached block released first"
+    assert blocks.num_evictable_blocks == 2 and blocks.num_free_blocks == 5
+    taken = [blocks.take() for _ in range(4)]
+    assert taken[0] == 4, "a block no table ever held goes first"
+    assert taken[1:] == [1, 0, 3], "then released blocks in release order, cached or not"
     assert blocks.lookup(hashes_of([1, 2, 3, 4])[0], ()) is None
     assert blocks.lookup(hashes_of([9, 9, 9, 9])[0], ()) is not None
+    assert blocks.num_evictable_blocks == 1
+    blocks.check()
 
 
-def two_released_prompts(drain_free: bool = True) -> tuple[BlockManager, list[int], list[int]]:
-    """Six blocks: prompts A (blocks 0-2) and B (3-5) of 9 tokens, their two full blocks cached, both
-    released (A first): the LRU holds 1, 0, 4, 3 (a table goes last block first). Their partial blocks 2
-    and 5 are free, unless `drain_free` has another table take them."""
+def test_a_table_takes_a_released_table_as_one_run_cached_blocks_and_uncached_alike():
+    """A request's decode blocks are never cached with k >= 2 (their MTP KV read drafts): released beside its
+    cached prompt blocks, the next table takes all of them as one run, as it would at k = 0."""
     blocks = BlockManager(6, BS)
-    a, b = list(range(1, 10)), list(range(20, 29))
+    first = cache_prompt(blocks, list(range(1, 9)))  # blocks 0, 1 cached
+    blocks.grow(first, 4 * BS)  # blocks 2, 3: its decode blocks, never registered
+    blocks.grow([], 2 * BS)  # blocks 4, 5: another table's, held throughout
+    blocks.free(first)
+    assert blocks.num_evictable_blocks == 2 and blocks.num_free_blocks == 4
+    table: list[int] = []
+    assert blocks.grow(table, 4 * BS) == [0, 1, 2, 3], "one run, not the uncached blocks first"
+    blocks.check()
+
+
+def two_released_prompts(never_held: int = 0) -> tuple[BlockManager, list[int], list[int]]:
+    """Prompts A (blocks 0, 1) and B (2, 3) of 8 tokens, both blocks of each cached, both released (A first):
+    the release order holds 1, 0, 3, 2 (a table goes last block first). `never_held` more blocks are free."""
+    blocks = BlockManager(4 + never_held, BS)
+    a, b = list(range(1, 9)), list(range(20, 28))
     first, second = cache_prompt(blocks, a), cache_prompt(blocks, b)
-    assert (first, second) == ([0, 1, 2], [3, 4, 5])
+    assert (first, second) == ([0, 1], [2, 3])
     blocks.free(first)
     blocks.free(second)
-    if drain_free:
-        assert blocks.grow([], 2 * BS) == [2, 5]
     return blocks, a, b
 
 
@@ -181,19 +194,19 @@ def test_a_growing_table_continues_into_the_old_cached_block_after_its_last():
 
 
 def test_no_cached_block_is_evicted_for_a_run_while_free_blocks_remain():
-    blocks, a, _ = two_released_prompts(drain_free=False)
+    blocks, a, _ = two_released_prompts(never_held=2)
     table = [0]
     blocks.share(table)
-    assert blocks.grow(table, 2 * BS) == [2]
+    assert blocks.grow(table, 2 * BS) == [4]
     assert blocks.lookup(hashes_of(a)[1], ()) is not None
     blocks.check()
 
 
 def test_a_recently_released_block_is_not_taken_out_of_lru_order():
     blocks, _, b = two_released_prompts()
-    table = [3]
+    table = [2]
     blocks.share(table)
-    assert blocks.grow(table, 2 * BS) == [1], "block 4 was released in the newer half: the LRU's oldest instead"
+    assert blocks.grow(table, 2 * BS) == [1], "block 3 was released in the newer half: the LRU's oldest instead"
     assert blocks.lookup(hashes_of(b)[1], ()) is not None
     blocks.check()
 
