@@ -131,11 +131,8 @@ class BlockManager:
         cache, so none does while free ones remain.
 
         NOTE: the block after a table's last one first, because CPU attention reads a table's blocks in
-        order and scattered ones cost it 1.22-1.27x (`_continues_run`). With k >= 2 a request's decode
-        blocks are never cached, so they come back to the free heap as single ids among cached prompt
-        blocks, and the lowest free id rarely continues a table: in a replay of random words at 16 streams
-        on a K=3 instance's pool, 56% of the running tables' neighbouring blocks were consecutive until
-        the pool had cycled, then 21-29%."""
+        order and scattered ones cost it 1.22-1.27x (`_continues_run`). The free heap holds only blocks no
+        table has held (`free` says why), so the lowest free id starts the pool's untouched rest."""
         nxt = None if after is None else after + 1
         if nxt is not None and nxt in self._free_set:
             block = nxt
