@@ -259,7 +259,9 @@ class Scheduler:
 
     def _grow(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> None:
         first_col = len(request.block_ids)
-        new = self.blocks.grow(request.block_ids, num_tokens)
+        # NOTE: the run a table starts claims room for what its request may still write (block_manager.py)
+        expected = request.num_prefill_tokens + request.params.max_tokens + self.config.decode_window
+        new = self.blocks.grow(request.block_ids, num_tokens, expected_tokens=expected)
         if new:
             plan.block_writes.append(BlockWrite(request.slot_id, first_col, tuple(new)))
 

@@ -67,3 +67,44 @@ def test_a_growing_table_takes_the_free_block_after_its_last_before_a_lower_one(
     d = []
     assert m.grow(d, 8) == [2, 5], "a new table starts at the lowest free id"
     m.check()
+
+
+def test_a_new_table_claims_room_to_grow_and_the_next_table_starts_after_it():
+    """CPU attention reads a table's blocks in order: a request that will grow keeps the blocks after its
+    prompt's, so the next request's prompt does not split its run."""
+    m = BlockManager(num_blocks=12, block_size=4)
+    a, b = [], []
+    assert m.grow(a, 8, expected_tokens=16) == [0, 1]  # claims 2-3
+    assert m.grow(b, 8, expected_tokens=12) == [4, 5]  # not 2: claims 6
+    assert m.num_claimed_blocks == 3 and m.num_free_blocks == 12 - 4
+    assert m.grow(a, 16, expected_tokens=16) == [2, 3]
+    assert m.grow(b, 12, expected_tokens=12) == [6]
+    assert m.num_claimed_blocks == 0
+    m.check()
+
+
+def test_once_the_pool_has_cycled_a_new_table_takes_a_long_enough_run_not_the_oldest_block():
+    m = BlockManager(num_blocks=8, block_size=4)
+    tables = [[] for _ in range(8)]
+    for table in tables:  # one block each: 0-7
+        m.grow(table, 4)
+    for i in (2, 5, 6, 7):  # released oldest first: 2 (between held 1 and 3), then the run 5-7
+        m.free(tables[i])
+    new = []
+    assert m.grow(new, 4, expected_tokens=12) == [5], "the oldest released block (2) has no room after it"
+    assert m.grow(new, 12, expected_tokens=12) == [6, 7]
+    m.check()
+
+
+def test_claims_are_soft_and_end_with_their_table():
+    m = BlockManager(num_blocks=6, block_size=4)
+    a, b = [], []
+    assert m.grow(a, 4, expected_tokens=16) == [0]  # claims 1-3
+    assert m.grow(b, 8) == [4, 5]  # unclaimed blocks first
+    c = []
+    assert m.grow(c, 4) == [1], "with nothing else left, a claimed block is taken"
+    m.check()
+    assert m.grow(a, 8, expected_tokens=16) == [2], "its claim ended where another table took a block"
+    m.free(a)  # releases 0 and 2, and its claim on 3
+    assert m.num_claimed_blocks == 0 and m.num_free_blocks == 3
+    m.check()

@@ -48,7 +48,7 @@ class Model:
         assert self.blocks.num_used_blocks == len(held)
 
 
-actions = st.lists(st.tuples(st.sampled_from(["add", "finish", "abort", "preempt", "evict", "reset"]),
+actions = st.lists(st.tuples(st.sampled_from(["add", "extend", "finish", "abort", "preempt", "evict", "reset"]),
                              st.integers(0, 7), st.integers(1, 22)), min_size=1, max_size=60)
 
 
@@ -69,16 +69,21 @@ def test_random_sequences_keep_refs_free_list_and_index_consistent(steps):
             if missing + idle > blocks.num_free_blocks:
                 continue  # admission waits
             blocks.share(table)
-            blocks.grow(table, len(tokens))
+            blocks.grow(table, len(tokens), expected_tokens=len(tokens) + BS * (pick % 4))  # NOTE: claims room
             model.tables[next_id] = table
             for j, h in enumerate(hashes_of(tokens)[:len(table)]):
                 blocks.register(table[j], h, CachedKV(None, 0) if pick % 2 else CachedKV((pick,), 1))
             next_id += 1
+        elif action == "extend" and model.tables:
+            table = model.tables[sorted(model.tables)[pick % len(model.tables)]]
+            num_tokens = (len(table) + 1 + length % 3) * BS
+            if blocks.can_grow(table, num_tokens):
+                blocks.grow(table, num_tokens, expected_tokens=num_tokens + BS * (pick % 3))
         elif action in ("finish", "abort", "preempt") and model.tables:
             victim = sorted(model.tables)[pick % len(model.tables)]
             blocks.free(model.tables.pop(victim))
         elif action == "evict":
-            for _ in range(min(pick, blocks.num_free_blocks)):
+            for _ in range(min(3 * pick, blocks.num_free_blocks)):  # NOTE: up to every block, claimed ones too
                 model.tables.setdefault(-1, []).append(blocks.take())
         elif action == "reset":
             blocks.reset_prefix_cache()
@@ -247,4 +252,26 @@ def test_a_table_that_wants_fewer_blocks_than_the_run_takes_its_tail():
     blocks, tokens = released_run()
     assert blocks.grow([], BS) == [2]
     assert blocks.grow([], 2 * BS) == [0, 1]
+    blocks.check()
+
+
+def test_a_claimed_cached_block_is_still_matched_and_its_claim_gives_it_up():
+    blocks = BlockManager(num_blocks=8, block_size=BS)
+    other = []
+    blocks.grow(other, BS)  # 0
+    prompt = tuple(range(2 * BS))
+    cached = cache_prompt(blocks, prompt)  # 1-2
+    rest = []
+    blocks.grow(rest, 5 * BS)  # 3-7
+    for table in (other, cached, rest):
+        blocks.free(table)
+    new = []
+    assert blocks.grow(new, BS, expected_tokens=3 * BS) == [0]  # claims 1-2, still cached
+    assert blocks.num_claimed_blocks == 2 and blocks.num_evictable_blocks == 2
+    tokens = prompt + (99,)
+    hit = find(blocks, hashes_of(tokens), np.asarray(tokens), num_mtp=0)
+    assert list(hit.shared) == [1, 2]
+    blocks.share(list(hit.shared))
+    assert blocks.num_claimed_blocks == 0 and blocks.refs(1) == blocks.refs(2) == 1
+    assert blocks.grow(new, 2 * BS, expected_tokens=3 * BS) not in ([1], [2]), "a matched block is not taken"
     blocks.check()
