@@ -139,6 +139,8 @@ class BlockManager:
         what the table may come to hold in all (its request's prompt and max_tokens): a run it starts claims
         room for that, up to MAX_CLAIM_BLOCKS beyond what it takes now."""
         missing = self.num_missing(block_ids, num_tokens)
+        if not missing:
+            return []  # NOTE: the usual case (every running row, every step)
         if missing > self.num_free_blocks:
             raise MemoryError(f"need {missing} KV blocks, {self.num_free_blocks} free")
         new: list[int] = []
@@ -152,13 +154,14 @@ class BlockManager:
 
     def take(self, after: int | None = None, wanted: int = 1, room: int = 0) -> int:
         """One block for a table to write into: the block right after `after` (the table's last one) if the
-        table claimed it or it is free; else, when the table expects to take more blocks than this one
-        (`room`, this one included), the start of a new run that claims the rest (`_start_run`); else the
-        lowest free one; else the block after `after` when it is an old released one (`_continues_run`);
-        else the least recently released one, or, when the table wants more blocks than this one (`wanted`,
-        this one included) and the blocks below it were released with it, the lowest of those that the
-        table will take anyway (`_run_start`); else one another table claimed. A cached block taken leaves
-        the cache, so none does while free ones remain.
+        table claimed it, or it is free, or released and uncached, or old when none is free
+        (`_continues_cheaply`); else, when the table expects to take more blocks than this one (`room`, this
+        one included), the start of a new run (`_find_run`); else the lowest free one; else the least
+        recently released one, or, when the table wants more blocks than this one (`wanted`, this one
+        included) and the blocks below it were released with it, the lowest of those that the table will
+        take anyway (`_run_start`); else one another table claimed. A block that continues or starts a run
+        claims the blocks after it, up to `room` (`_start_run`). A cached block taken leaves the cache, so
+        none does while free ones remain, but for a run's sake (`_takable`).
 
         NOTE: the block after a table's last one first, because CPU attention reads a table's blocks in
         order and scattered ones cost it 1.22-1.27x (`_continues_run`). The free heap holds only blocks no
@@ -166,16 +169,12 @@ class BlockManager:
         nxt = None if after is None else after + 1
         if after is not None and after in self._claim_end and self._take_claimed(after):
             block = after + 1  # NOTE: the claim moved on to it
-        elif nxt is not None and nxt in self._free_set:
-            block = nxt
-            self._free_set.remove(block)
+        elif nxt is not None and (nxt in self._free_set or self._continues_cheaply(nxt)):
+            block = self._start_run(room, nxt)
         elif room > 1 and (self._free_set or self._released):
             block = self._start_run(room)
         elif self._free_set:
             block = self._pop_free()
-        elif nxt is not None and self._continues_run(nxt):
-            block = nxt
-            self._reuse(block)
         elif self._released:
             block = self._run_start(next(iter(self._released)), wanted)
             self._reuse(block)
@@ -202,9 +201,15 @@ class BlockManager:
             self._claim_end[block] = (end, serial)
         return True
 
-    def _start_run(self, room: int) -> int:
-        """The first block of a new run of up to `room` consecutive blocks (`_find_run`), the rest of which
-        the table claims.
+    def _continues_cheaply(self, block: int) -> bool:
+        """Whether a table whose last block is right before this one takes it before any free one: it is
+        released and uncached (taking it evicts nothing), or no block is free and it is old
+        (`_continues_run`)."""
+        return block in self._released and (block not in self._hash_of or not self._free_set and self._continues_run(block))
+
+    def _start_run(self, room: int, start: int | None = None) -> int:
+        """The first block of a run of up to `room` consecutive blocks, the rest of which the table claims:
+        `start`, or where `_find_run` finds one.
 
         NOTE: CPU attention reads a table's blocks in order, and scattered ones cost it 1.24-1.38x
         (`mtpserve bench attention --layouts`). Without claims, the next table took the blocks right after a
@@ -213,14 +218,15 @@ class BlockManager:
         prompt's neighbouring blocks and 58-83% of those it grew into were not consecutive. A K=3 instance,
         whose pool is 0.57x k=0's, cycled it sooner: 0.62 of its running tables' neighbouring blocks were
         consecutive against k=0's 0.71, and its decode steps took 2-5% longer."""
-        start, length = self._find_run(room)
+        if start is None:
+            start = self._find_run(room)[0]
         if start in self._free_set:
             self._free_set.remove(start)
         else:
             self._reuse(start)
         self._claim_serial += 1
         end = start + 1
-        while end < start + length and self._claim(end, self._claim_serial):
+        while end < start + room and self._claim(end, self._claim_serial):
             end += 1
         if end > start + 1:
             self._claim_end[start] = (end, self._claim_serial)
