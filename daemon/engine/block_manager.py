@@ -205,7 +205,9 @@ class BlockManager:
         """Whether a table whose last block is right before this one takes it before any free one: it is
         released and uncached (taking it evicts nothing), or no block is free and it is old
         (`_continues_run`)."""
-        return block in self._released and (block not in self._hash_of or not self._free_set and self._continues_run(block))
+        if block not in self._released:
+            return False
+        return block not in self._hash_of or not self._free_set and self._continues_run(block)
 
     def _start_run(self, room: int, start: int | None = None) -> int:
         """The first block of a run of up to `room` consecutive blocks, the rest of which the table claims:

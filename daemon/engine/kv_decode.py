@@ -103,7 +103,9 @@ class DecodeConnector(KVConnector):
             if not blocks.can_grow([], num_prompt):
                 break
             self.queue.popleft()
-            blocks.grow(request.block_ids, num_prompt)
+            # NOTE: room for the outputs after the prompt's run, as the scheduler claims it (block_manager.py)
+            expected = num_prompt + request.params.max_tokens + self.scheduler.config.decode_window
+            blocks.grow(request.block_ids, num_prompt, expected_tokens=expected)
             self.fetching[request.request_id] = request
             started.append(KVFetch(request.request_id, tuple(request.block_ids), request.remote.source))
         for fetch in started:
