@@ -1,12 +1,13 @@
 """Paged KV block accounting: reference-counted fixed-size blocks, and the prefix cache's index of them.
 
-A block is in one of three states:
+A block is in one of four states:
   * free: on the free heap, never held since start-up or since the prefix cache was reset;
   * used: `refs > 0` block tables hold it (a cached block may be held by several requests);
   * released: no table holds it any more; it stays in release order, cached (its content indexed by a
     hash: *evictable*) or not. It counts as free: taking a block when the free heap is empty takes the
     least recently released block (evicting it if cached), except that a growing table takes the block
-    right after its last one when that one is released and among the older half of them, and a table
+    right after its last one when that one is released and uncached, or cached and among the older half
+    of them (`_continues_cheaply`), and a table
     that takes several of a run released together takes them lowest first (`take(after=..., wanted=...)`:
     runs of consecutive blocks). A growing table also takes the free block right after its last one
     before the lowest free id;
