@@ -22,9 +22,10 @@ blocks it alone holds, so a cached block's content never changes while it is ind
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
+
+from mtpserve.engine.block_index import BlockIndex, CachedKV
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -38,27 +39,6 @@ MAX_CLAIM_BLOCKS = 8
 # NOTE: released blocks, oldest first, that a new run may be built around once the free heap is empty: the
 # first whose run is long enough is taken, else the longest (a few us each)
 RUN_CANDIDATES = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class CachedKV:
-    """What a cached block's content depends on beyond the tokens its hash covers
-    (docs/prefix-caching.md).
-
-    `lookahead`: the tokens past the block's end that its MTP KV read (MTP depth i at position t reads
-    the token at t+i+1), k of them; None when some were drafts. A block is reused inside a match only
-    when the new request has these same tokens there; otherwise it may end a match, whose last k
-    positions are recomputed anyway.
-    `mtp_depths`: the MTP depths that ran over it (fewer under adaptive speculation: deeper depths left
-    gaps, which a request that matches it inherits as if it had run those steps itself).
-    """
-
-    lookahead: tuple[int, ...] | None
-    mtp_depths: int
-
-    def better_than(self, other: CachedKV) -> bool:
-        """Of two blocks with the same tokens that a match could use in the same places."""
-        return (self.lookahead is not None, self.mtp_depths) > (other.lookahead is not None, other.mtp_depths)
 
 
 class BlockManager:
@@ -94,9 +74,7 @@ class BlockManager:
         self._claim_serial = 0
         self._num_cached_claimed = 0  # NOTE: a claimed cached block stays matchable until its table takes it
         self._clock = 0
-        self._hash_of: dict[int, bytes] = {}
-        # NOTE: several blocks may share a hash, one per lookahead (the same prefix, continued differently)
-        self._blocks_of: dict[bytes, dict[int, CachedKV]] = {}
+        self._index = BlockIndex()  # NOTE: the prefix cache's: which blocks are cached, by hash
 
     # ---- counts ---------------------------------------------------------------------------------
 
@@ -116,7 +94,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._hash_of)
+        return len(self._index)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -208,7 +186,7 @@ class BlockManager:
         (`_continues_run`)."""
         if block not in self._released:
             return False
-        return block not in self._hash_of or not self._free_set and self._continues_run(block)
+        return block not in self._index or not self._free_set and self._continues_run(block)
 
     def _start_run(self, room: int, start: int | None = None) -> int:
         """The first block of a run of up to `room` consecutive blocks, the rest of which the table claims:
@@ -263,7 +241,7 @@ class BlockManager:
 
     def _takable(self, block: int) -> bool:
         """Whether a run may take this released block: uncached, or cached and old (`_continues_run`)."""
-        return block in self._released and (block not in self._hash_of or self._continues_run(block))
+        return block in self._released and (block not in self._index or self._continues_run(block))
 
     def _claim(self, block: int, serial: int) -> bool:
         """Claim a free block, or a released one a run may take (`_takable`), for claim `serial`; False if
@@ -275,7 +253,7 @@ class BlockManager:
         if not self._takable(block):
             return False
         self._claimed[block] = (self._released.pop(block), serial)
-        if block in self._hash_of:
+        if block in self._index:
             self._num_cached_claimed += 1
         else:
             self._num_uncached_released -= 1
@@ -285,7 +263,7 @@ class BlockManager:
         """A claimed block leaves its claim, to be taken; returns its release tick (None if it was free) and
         puts it in the release order meanwhile (`_reuse` takes it from there)."""
         tick, _ = self._claimed.pop(block)
-        if block in self._hash_of:
+        if block in self._index:
             self._num_cached_claimed -= 1
         else:
             self._num_uncached_released += 1
@@ -327,8 +305,8 @@ class BlockManager:
     def _reuse(self, block: int) -> None:
         """A released block leaves the release order for a table; a cached one leaves the cache."""
         del self._released[block]
-        if block in self._hash_of:
-            self._forget(block)
+        if block in self._index:
+            self._index.remove(block)
         else:
             self._num_uncached_released -= 1
 
@@ -356,7 +334,7 @@ class BlockManager:
     def share(self, block_ids: list[int]) -> None:
         """Another table holds these cached blocks (a prefix hit)."""
         for block in block_ids:
-            if block not in self._hash_of:
+            if block not in self._index:
                 raise ValueError(f"KV block {block} is not cached: it cannot be shared")
             if block in self._claimed:
                 self._unclaim_one(block)  # NOTE: its claim now ends there (`_take_claimed`)
@@ -384,45 +362,34 @@ class BlockManager:
             if self._refs[block] == 0:
                 self._clock += 1
                 self._released[block] = self._clock
-                self._num_uncached_released += block not in self._hash_of
+                self._num_uncached_released += block not in self._index
         block_ids.clear()
 
     # ---- the prefix cache's index ---------------------------------------------------------------
 
     def lookup(self, block_hash: bytes, next_tokens: tuple[int, ...]) -> tuple[int, CachedKV] | None:
-        """A cached block holding these tokens: the one whose lookahead is `next_tokens` if there is one
-        (it may continue a match), else the one with the most MTP depths (it may only end one)."""
-        candidates = self._blocks_of.get(block_hash)
-        if not candidates:
-            return None
-        best = max(candidates.items(), key=lambda item: (item[1].lookahead == next_tokens, item[1].mtp_depths))
-        return best
+        """A cached block holding these tokens (`BlockIndex.lookup`)."""
+        return self._index.lookup(block_hash, next_tokens)
 
     def register(self, block: int, block_hash: bytes, kv: CachedKV) -> bool:
-        """Index a held, full block by its hash; True if a match can now find it.
-
-        A block with the same hash and lookahead stays the indexed one unless this one ran more MTP
-        depths; a lookahead of drafts (None) is indexed only while no other block has the hash."""
+        """Index a held, full block by its hash; True if a match can now find it (the blocks it replaces,
+        `BlockIndex.displaced`, leave the cache)."""
         if self._refs[block] <= 0:
             raise ValueError(f"KV block {block} is not held: it cannot be cached")
-        if block in self._hash_of:
-            return self._hash_of[block] == block_hash
-        candidates = self._blocks_of.setdefault(block_hash, {})
-        for other, other_kv in list(candidates.items()):
-            same = other_kv.lookahead == kv.lookahead or other_kv.lookahead is None or kv.lookahead is None
-            if not same:
-                continue
-            if not kv.better_than(other_kv):
-                return False
+        if block in self._index:
+            return self._index.hash_of(block) == block_hash
+        displaced = self._index.displaced(block_hash, kv)
+        if displaced is None:
+            return False
+        for other in displaced:
             self._uncache(other)
-        self._blocks_of.setdefault(block_hash, {})[block] = kv
-        self._hash_of[block] = block_hash
+        self._index.add(block, block_hash, kv)
         return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block: released ones become free (cached or not), held ones stay with their
         tables but are matched no more. Returns how many were forgotten."""
-        forgotten = list(self._hash_of)
+        forgotten = self._index.blocks()
         for block in forgotten:
             self._uncache(block)
         for block in self._released:
@@ -435,17 +402,10 @@ class BlockManager:
 
     def _uncache(self, block: int) -> None:
         """A block the index forgets; a released one keeps its place in the release order."""
-        self._forget(block)
+        self._index.remove(block)
         self._num_uncached_released += block in self._released
         if block in self._claimed:
             self._num_cached_claimed -= 1
-
-    def _forget(self, block: int) -> None:
-        block_hash = self._hash_of.pop(block)
-        candidates = self._blocks_of[block_hash]
-        del candidates[block]
-        if not candidates:
-            del self._blocks_of[block_hash]
 
     def check(self) -> None:
         """Raise AssertionError unless the accounting is consistent (tests)."""
@@ -454,12 +414,11 @@ class BlockManager:
         for block in range(self.num_blocks):
             in_free, released, claimed = block in free, block in self._released, block in self._claimed
             assert in_free + released + claimed + (self._refs[block] > 0) == 1, f"block {block} is in two states"
-            assert not (in_free and block in self._hash_of), f"free block {block} is still cached"
-        assert sum(b in self._hash_of for b in self._claimed) == self._num_cached_claimed, "cached claimed count"
+            assert not (in_free and block in self._index), f"free block {block} is still cached"
+        assert sum(b in self._index for b in self._claimed) == self._num_cached_claimed, "cached claimed count"
         serials = {serial for _, serial in self._claim_end.values()}
         assert all(serial in serials for _, serial in self._claimed.values()), "a claimed block has no claim"
         assert all(self._refs[last] > 0 for last in self._claim_end), "a claim's table holds its last block no more"
-        uncached = sum(block not in self._hash_of for block in self._released)
+        uncached = sum(block not in self._index for block in self._released)
         assert uncached == self._num_uncached_released, "uncached released count out of step"
-        assert all(b in self._blocks_of[h] for b, h in self._hash_of.items()), "hash index out of step"
-        assert sum(map(len, self._blocks_of.values())) == len(self._hash_of), "hash index sizes differ"
+        self._index.check()

@@ -21,7 +21,8 @@ import hashlib
 
 import numpy as np
 
-from mtpserve.engine.block_manager import BlockManager, CachedKV
+from mtpserve.engine.block_index import CachedKV
+from mtpserve.engine.block_manager import BlockManager
 
 
 def salt(*parts: object) -> bytes:

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpserve.engine import prefix_cache
-from mtpserve.engine.block_manager import BlockManager, CachedKV
+from mtpserve.engine.block_index import CachedKV
+from mtpserve.engine.block_manager import BlockManager
 from mtpserve.engine.prefix_cache import chain_hashes, find
 
 BS = 4
