@@ -38,31 +38,9 @@ class ServingExtra:
     streams on code, decode steps took 1.4 ms more than the quiet profile at depth 0 and at depth 1 alike,
     and steps with a prompt chunk 2-3 ms less (the profile's prefills carry no decode rows). One mean over
     both charged a decode step ~0.45 ms too little: 12% of a depth-0 step, 7% of a depth-1 step, enough to
-    tip the choice to depth 0.
-
-    NOTE: moved together, because a depth's mean is learnt only while it runs, and what serving adds moves
-    with the host: a depth left kept the price of the moment it was left, and the depth in use, priced by what
-    its steps take now, looked the cheaper one. At one stream on code the host calmed while the policy ran
-    depth 1: depth 1's steps went from 1.1 to 0.4-0.8 ms of extra, depth 2 kept 1.17 ms and was priced at 2.5
-    ms a step where its steps took 1.7-1.9; depth 1 ran for 15-29% of the rows, and emitted ~15% less a second
-    than depth 2. So once a spell at one depth (the cell's steps at it in a row) is MIN_SAMPLES steps long,
-    every change of its mean moves the other depths' too: what one depth adds more than another is learnt
-    from the first steps of its spells, a share of it per spell (~27% at WEIGHT), and kept while the host
-    moves them all. Taken whole from a spell's first 16 steps instead, it was as noisy as they are (at one
-    row the depth-2 extra came out 0.6 ms above depth 1's, against ~0.15 measured side by side), and the
-    policy ran depth 1 for 38% of the rows at one stream.
-
-    NOTE: capped above, at SPIKE_CAP of the step's device time over its depth's mean (SPIKE_FLOOR at least): a
-    stall of the host lands on whichever step is running, in proportion to time and not to steps: at 4
-    streams on code a decode step added 0.3-0.8 ms on average, but 3.5-4 ms at the 99th percentile and up
-    to 10 ms, and each such step moved a running mean by 0.1-0.2 ms. The mean of a depth's steps wandered
-    over 0.26-1.84 ms (standard deviation 0.24 ms, 8% of a depth-2 step), the choice between depths 1 and 2
-    flipped on it, and the depth left kept its price of that moment (a price is not updated while its depth is
-    not run), so the depth in use looked the cheaper one."""
+    tip the choice to depth 0."""
 
     WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps
-    SPIKE_CAP = 0.5  # of the step's device time: what a step counts for above the mean, at most
-    SPIKE_FLOOR = 0.5e-3  # seconds: the cap's least
     MIN_SAMPLES = 16
     STALE_STEPS = 1000
 
@@ -73,8 +51,6 @@ class ServingExtra:
         self._depth_count: dict[tuple[bool, int, int], int] = {}
         self._depth_seen: dict[tuple[bool, int, int], int] = {}  # its cell's count at its last step
         self._sought: dict[tuple[bool, int, int], int] = {}  # a decode depth's cell count when `seek` ran it
-        self._spell: dict[tuple[bool, int], tuple[int, int]] = {}  # per cell: its last steps' depth, how many
-        self._depths = 0  # the deepest depth seen, plus one
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
@@ -82,34 +58,13 @@ class ServingExtra:
 
     def observe(self, num_emitting: int, seconds: float, device: float, has_prefill: bool = False,
                 depth: int = 0) -> None:
-        key = (has_prefill, self.bucket(num_emitting))
+        key, extra = (has_prefill, self.bucket(num_emitting)), seconds - device
+        _update(self._mean, self._count, key, extra, self.WEIGHT)
         own = (*key, depth)
-        extra = seconds - device
         if not self._is_recent(own):
             self._depth_count[own] = 0  # NOTE: a plain mean again, of what this depth takes now
-        elif self._depth_count[own] >= self.MIN_SAMPLES:
-            # NOTE: a step the host stalled counts up to SPIKE_CAP more than its depth's mean (module note)
-            extra = min(extra, self._depth_mean[own] + max(self.SPIKE_FLOOR, self.SPIKE_CAP * device))
-        _update(self._mean, self._count, key, extra, self.WEIGHT)
-        self._observe_own(key, depth, extra)
-        self._depth_seen[own] = self._count[key]
-
-    def _observe_own(self, key: tuple[bool, int], depth: int, extra: float) -> None:
-        """A step at `depth` in its cell (`key`): its depth's own mean learns it, and once the cell's steps have
-        run at this depth MIN_SAMPLES times in a row, the other depths' means in the cell move as much as its
-        mean does (module NOTE)."""
-        own = (*key, depth)
-        spell_depth, steps = self._spell.get(key, (-1, 0))
-        steps = steps + 1 if spell_depth == depth else 1
-        self._spell[key] = (depth, steps)
-        self._depths = max(self._depths, depth + 1)
-        before = self._depth_mean.get(own)
         _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
-        if before is not None and steps > self.MIN_SAMPLES:
-            moved = self._depth_mean[own] - before
-            for other in range(self._depths):
-                if other != depth and (*key, other) in self._depth_mean:
-                    self._depth_mean[(*key, other)] += moved
+        self._depth_seen[own] = self._count[key]
 
     def _has_own(self, own: tuple[bool, int, int]) -> bool:
         """Whether a depth's own mean prices it: enough steps, and recent."""
