@@ -32,6 +32,9 @@ class CachedKV:
 
 
 class BlockIndex:
+    """Cached blocks by hash and hashes by block; what a block's state is (held, released, claimed) is the
+    block manager's."""
+
     def __init__(self) -> None:
         self._hash_of: dict[int, bytes] = {}
         self._blocks_of: dict[bytes, dict[int, CachedKV]] = {}

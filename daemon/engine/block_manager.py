@@ -1,4 +1,5 @@
-"""Paged KV block accounting: reference-counted fixed-size blocks, and the prefix cache's index of them.
+"""Paged KV block accounting: reference-counted fixed-size blocks, which of them the prefix cache holds
+(its index of them by hash: block_index.py).
 
 A block is in one of four states:
   * free: on the free heap, never held since start-up or since the prefix cache was reset;
