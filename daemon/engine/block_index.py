@@ -1,8 +1,8 @@
 """The prefix cache's index of KV blocks: which block holds the KV of which hashed token prefix.
 
-The block manager (block_manager.py) owns the blocks and their states and consults this index for which
-of them are cached; the prefix cache's policy (prefix_cache.py) says what a block's hash and `CachedKV`
-are. Several blocks may share a hash, one per lookahead: the same prefix, continued differently.
+The block pool (block_pool.py) holds the blocks' states and this index of which of them are cached; the
+prefix cache's policy (prefix_cache.py) says what a block's hash and `CachedKV` are. Several blocks may share a
+hash, one per lookahead: the same prefix, continued differently.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class CachedKV:
 
 class BlockIndex:
     """Cached blocks by hash and hashes by block; what a block's state is (held, released, claimed) is the
-    block manager's."""
+    pool's (block_pool.py)."""
 
     def __init__(self) -> None:
         self._hash_of: dict[int, bytes] = {}
