@@ -3,7 +3,7 @@
 # on code, k=0 and adaptive on random words at T = 1.5, then k=1 and adaptive under a load stepping 1 <-> 64
 # streams every 10 s. Every instance is launched afresh for every round (identical launches differ by a few %).
 #   scripts/adaptive_sweep.sh OUT_DIR [CODE_ROUNDS [RANDOM_ROUNDS [STEP_ROUNDS]]]
-# (3 3 2 by default: ~80 minutes on the 2-core Xeon hosts; 3 5 4 took 51 minutes on an EPYC twice as fast.)
+# (3 3 2 by default: ~80 minutes on the 2-core Xeon hosts; 3 5 4 took 51 minutes on an EPYC twice as fast, 7 5 2 69.)
 # The random words' visits are shorter than the code's (about a third fewer prompts): their ratios are closest
 # to the bar, and one configuration's rounds have moved by up to a quarter between visits on these hosts, so
 # more rounds of shorter visits say more than fewer of longer.
