@@ -53,15 +53,15 @@ class BlockPool:
     # ---- free <-> taken ---------------------------------------------------------------------------
 
     def pop_free(self) -> int:
-        """The lowest free id (the heap's entries for ids taken out of order are dropped on the way)."""
-        while True:
-            block = heapq.heappop(self.free)
-            if block in self.free_set:
-                self.free_set.remove(block)
-                return block
+        """The lowest free id, taken."""
+        block = self.lowest_free()
+        heapq.heappop(self.free)
+        self.free_set.remove(block)
+        return block
 
     def lowest_free(self) -> int:
-        """The lowest free id, left free (there must be one)."""
+        """The lowest free id, left free (there must be one; the heap's entries for ids taken out of order
+        are dropped on the way)."""
         while self.free[0] not in self.free_set:
             heapq.heappop(self.free)
         return self.free[0]
