@@ -14,8 +14,9 @@ class ServingExtra:
     period less the device time the curves give for that very step.
 
     A depth is priced with its own mean at these rows while it is recent (its last step here no more than
-    STALE_STEPS of this cell's steps ago), else with the mean of every depth's steps at the nearest rows
-    measured (mostly the depth in use's); a depth run again after that starts its own mean afresh.
+    STALE_STEPS of this cell's steps ago, or fewer for a mean of few steps: YOUNG_STEPS), else with the mean
+    of every depth's steps at the nearest rows measured (mostly the depth in use's); a depth run again after
+    that starts its own mean afresh.
 
     NOTE: the host's work per step, the HTTP process and the clients share the cores with the device. Added,
     not scaled: a period-to-device ratio differed 2x between steps with a prompt chunk and without, and
@@ -43,6 +44,12 @@ class ServingExtra:
     WEIGHT = 0.02  # of a step: a cell follows its last ~50 steps
     MIN_SAMPLES = 16
     STALE_STEPS = 1000
+    # NOTE: a mean of few steps stays recent for YOUNG_STEPS of the cell's steps per step in it (and STALE_STEPS
+    # at most). The first steps that serve are slow (at 4 streams on code, 1.35 ms more than the profile for
+    # ~20 steps, against 0.45 a thousand steps on): a depth run only then kept that price for STALE_STEPS,
+    # and the policy ran depth 2 for those 1,000 steps (a third of the run) where depth 1 was faster; four
+    # fresh launches in two, and at the sweep's 160 prompts most of a visit.
+    YOUNG_STEPS = 10
 
     def __init__(self) -> None:
         self._mean: dict[tuple[bool, int], float] = {}  # every depth's steps
@@ -71,8 +78,12 @@ class ServingExtra:
         return self._depth_count.get(own, 0) >= self.MIN_SAMPLES and self._is_recent(own)
 
     def _is_recent(self, own: tuple[bool, int, int]) -> bool:
+        """Whether a depth's last step here is recent: no more than STALE_STEPS of the cell's steps ago, or
+        YOUNG_STEPS per step of its mean if that is fewer."""
         seen = self._depth_seen.get(own)
-        return seen is not None and self._count[own[:2]] - seen <= self.STALE_STEPS
+        if seen is None:
+            return False
+        return self._count[own[:2]] - seen <= min(self.STALE_STEPS, self.YOUNG_STEPS * self._depth_count[own])
 
     def seconds(self, num_emitting: int, has_prefill: bool = False, depth: int | None = None) -> float:
         """At these rows (and this depth, if its steps have been measured here), else at the nearest rows

@@ -301,8 +301,8 @@ def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_the
     """A depth's own price is recent or not used: serving's share of the cores moves, and a price learnt in
     a busy spell would otherwise keep the policy off that depth for good."""
     extra = ServingExtra()
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(4, 5e-3, 2e-3, depth=2)  # a busy spell at depth 2
+    for _ in range(ServingExtra.STALE_STEPS // ServingExtra.YOUNG_STEPS):
+        extra.observe(4, 5e-3, 2e-3, depth=2)  # a busy spell at depth 2, long enough to stay recent as long as any
     assert extra.seconds(4, depth=2) == pytest.approx(3e-3)
     for _ in range(ServingExtra.STALE_STEPS):
         extra.observe(4, 1.5e-3, 1e-3, depth=1)
@@ -313,6 +313,24 @@ def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_the
         assert extra.seconds(4, depth=2) < 1e-3  # run again: not priced by the old spell meanwhile
         extra.observe(4, 2.8e-3, 2e-3, depth=2)
     assert extra.seconds(4, depth=2) == pytest.approx(0.8e-3)  # its own again, from its new steps alone
+
+
+def test_a_depth_priced_by_a_few_steps_is_priced_as_the_depth_in_use_sooner():
+    """The first steps that serve are slow: a depth run only then must not keep their price for STALE_STEPS
+    (the policy stayed at the other depth that long where this one was faster)."""
+    extra = ServingExtra()
+    young = 2 * ServingExtra.MIN_SAMPLES
+    for _ in range(young):
+        extra.observe(4, 3.5e-3, 2e-3, depth=1)  # the first steps: 1.5 ms more than the profile
+    for _ in range(young * ServingExtra.YOUNG_STEPS):
+        extra.observe(4, 3e-3, 2.5e-3, depth=2)  # then depth 2's steps, 0.5 ms more
+    assert extra.seconds(4, depth=1) == pytest.approx(1.5e-3)  # still its own
+    extra.observe(4, 3e-3, 2.5e-3, depth=2)
+    # NOTE: every depth's mean, the depth in use's by now: a mean of a few steps is recent for fewer
+    assert extra.seconds(4, depth=1) == pytest.approx(0.5e-3, rel=0.01)
+    for _ in range(young):
+        extra.observe(4, 2.4e-3, 2e-3, depth=1)  # run again: afresh, without the first steps
+    assert extra.seconds(4, depth=1) == pytest.approx(0.4e-3)
 
 
 def test_the_prompts_share_takes_both_kinds_of_step_from_one_source():
