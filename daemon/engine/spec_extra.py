@@ -50,14 +50,21 @@ class ServingExtra:
     # and the policy ran depth 2 for those 1,000 steps (a third of the run) where depth 1 was faster; four
     # fresh launches in two, and at the sweep's 160 prompts most of a visit.
     YOUNG_STEPS = 10
+    # NOTE: a cell's first WARMUP_STEPS steps teach nothing: they are a load's first (a fresh instance's, or
+    # the first at these rows), and slow. At 4 streams on code the first ~20-25 decode steps took 0.8-2.4 ms
+    # more than the profile, 0.3-0.5 ms later (five fresh launches); learnt, they were depth 1's price when
+    # the policy sought depth 2, which then ran for the ~230 steps that price lived (YOUNG_STEPS).
+    WARMUP_STEPS = 32
 
     def __init__(self) -> None:
         self._mean: dict[tuple[bool, int], float] = {}  # every depth's steps
         self._count: dict[tuple[bool, int], int] = {}
         self._depth_mean: dict[tuple[bool, int, int], float] = {}  # each depth's own
+        self._depth_var: dict[tuple[bool, int, int], float] = {}  # the spread of its steps about it
         self._depth_count: dict[tuple[bool, int, int], int] = {}
         self._depth_seen: dict[tuple[bool, int, int], int] = {}  # its cell's count at its last step
         self._sought: dict[tuple[bool, int, int], int] = {}  # a decode depth's cell count when `seek` ran it
+        self._arrived: dict[tuple[bool, int], int] = {}  # a cell's steps, its warm-up included
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
@@ -66,11 +73,18 @@ class ServingExtra:
     def observe(self, num_emitting: int, seconds: float, device: float, has_prefill: bool = False,
                 depth: int = 0) -> None:
         key, extra = (has_prefill, self.bucket(num_emitting)), seconds - device
+        arrived = self._arrived[key] = self._arrived.get(key, 0) + 1
+        if arrived <= self.WARMUP_STEPS:
+            return
         _update(self._mean, self._count, key, extra, self.WEIGHT)
         own = (*key, depth)
         if not self._is_recent(own):
             self._depth_count[own] = 0  # NOTE: a plain mean again, of what this depth takes now
+        deviation = extra - self._depth_mean.get(own, extra)
         _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
+        weight = max(1.0 / self._depth_count[own], self.WEIGHT)
+        var = self._depth_var.get(own, 0.0) if self._depth_count[own] > 1 else 0.0
+        self._depth_var[own] = (1.0 - weight) * (var + weight * deviation * deviation)
         self._depth_seen[own] = self._count[key]
 
     def _has_own(self, own: tuple[bool, int, int]) -> bool:
@@ -101,6 +115,15 @@ class ServingExtra:
         if not known:
             return self.measured(num_emitting, depth=depth) if has_prefill else 0.0
         return self._mean[(has_prefill, min(known, key=lambda b: abs(b - key)))]
+
+    def uncertainty(self, num_emitting: int, depth: int) -> float:
+        """The standard error of a decode depth's own mean at these rows (its steps' spread over the steps
+        the mean holds, ~1/WEIGHT at most); 0 where it is priced with a borrowed one."""
+        own = (False, self.bucket(num_emitting), depth)
+        if not self._has_own(own):
+            return 0.0
+        samples = min(self._depth_count[own], 2.0 / self.WEIGHT - 1.0)
+        return math.sqrt(self._depth_var[own] / samples)
 
     def borrowed(self, num_emitting: int, depth: int) -> bool:
         """Whether decode steps at this depth are priced here with a mean the depth before it taught: they

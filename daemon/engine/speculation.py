@@ -42,6 +42,12 @@ SWITCH_MARGIN = 0.05
 # depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
 # (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
 PRICE_BAND = 0.10
+# NOTE: going deeper is decided on a deeper depth's price taken DOUBT standard errors of its own mean high
+# (ServingExtra.uncertainty): a price of few steps is noisy beside the margin. At 4 streams on code a 16-step
+# mean of what serving adds spread 0.40-0.49 ms about its depth's (sd; 13-21% of a 2.3-3.0 ms step), so
+# a seek of depth 2 from depth 1 went deeper about as often as not where depth 1 was 4-9% faster; at 64
+# streams 0.56-0.88 ms (3-5% of a 17.8 ms step) beside depths that differed by ~2%.
+DOUBT = 2.0
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
 # drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
@@ -298,8 +304,13 @@ class Speculation:
             serving adds to a step of these rows at this depth."""
             return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
+        def cautious(depth: int) -> float:
+            """A deeper depth's period, what serving adds to it taken DOUBT standard errors high."""
+            doubt = DOUBT * self.extra.uncertainty(len(caps_e), depth) if depth > self._depth else 0.0
+            return period(depth) + doubt
+
         per_second = depth_rates(gain, caps_e, floors, period)
-        depth = self._depth = pick_depth(per_second, self._depth, SWITCH_MARGIN)
+        depth = self._depth = pick_depth(depth_rates(gain, caps_e, floors, cautious), self._depth, SWITCH_MARGIN)
         seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
         if self.trace is not None:
             self._trace_decision(self.trace, depth + 1 if seeking else depth, gain, caps_e, floors,

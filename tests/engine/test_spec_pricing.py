@@ -17,6 +17,15 @@ from mtpserve.engine.step_trace import StepTrace
 from mtpserve.ipc.sampling_params import SamplingParams
 from spec_rows import K, decode_row
 
+WARMUP = ServingExtra.WARMUP_STEPS
+
+
+@pytest.fixture(autouse=True)
+def steady(monkeypatch):
+    """These tests price a steady load: what serving adds is learnt from its first step."""
+    monkeypatch.setattr(ServingExtra, "WARMUP_STEPS", 0)
+
+
 # A device whose attention dots every query token with every key (ops_ext/paged_attention.cc), in ms:
 # the target pass a fixed part, a part per token and a part per (query token, key) pair; each MTP depth
 # the same over the same tokens.
@@ -333,6 +342,22 @@ def test_a_depth_priced_by_a_few_steps_is_priced_as_the_depth_in_use_sooner():
     assert extra.seconds(4, depth=1) == pytest.approx(0.4e-3)
 
 
+def test_the_first_steps_at_these_rows_teach_nothing(monkeypatch):
+    """A load's first steps are slow (at 4 streams on code, 0.8-2.4 ms more than the profile for ~20-25
+    steps, 0.3-0.5 ms later): learnt, they priced the depth that ran them out of use."""
+    monkeypatch.setattr(ServingExtra, "WARMUP_STEPS", WARMUP)
+    extra = ServingExtra()
+    for _ in range(WARMUP):
+        extra.observe(4, 4e-3, 2e-3, depth=1)
+    assert extra.seconds(4, depth=1) == 0.0  # nothing learnt yet
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(4, 2.4e-3, 2e-3, depth=1)
+    assert extra.seconds(4, depth=1) == pytest.approx(0.4e-3)
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        extra.observe(8, 5e-3, 4e-3, depth=1)  # the first steps at other rows: nothing learnt there either
+    assert extra.seconds(8, depth=1) == pytest.approx(0.4e-3)  # the nearest rows' (every depth's) mean
+
+
 def test_the_prompts_share_takes_both_kinds_of_step_from_one_source():
     """A depth with its own decode mean but no own chunk mean yet: the extra of a chunk step over a decode
     step is every depth's chunk steps less every depth's decode steps, not less this depth's own decode
@@ -366,15 +391,18 @@ def test_what_serving_adds_is_kept_per_emitting_rows():
     assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
 
 
-def serve_one_row(spec: Speculation, steps: int, added_ms: dict[int, float], kv: int = 300) -> list[int]:
+def serve_one_row(spec: Speculation, steps: int, added_ms: dict[int, float], kv: int = 300,
+                  noise_ms: float = 0.0, seed: int = 0) -> list[int]:
     """`steps` decode steps of one row after `kv` tokens of KV on the device above, where serving adds
-    `added_ms[depth]` to a step at that depth; the depth each step ran."""
+    `added_ms[depth]` to a step at that depth (and normal noise of sd `noise_ms`); the depth each step ran."""
     plan, ran = one_row(kv, K + 1), []
-    for _ in range(steps):
+    noise = np.random.default_rng(seed).normal(0.0, noise_ms, steps)
+    for i in range(steps):
         depth = int(spec.choose(plan).max())
         target, drafts = device_ms(depth + 1, kv, depth)
         load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
-        spec.observe(load, (target + drafts + added_ms[depth]) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
+        added = added_ms[depth] + noise[i]
+        spec.observe(load, (target + drafts + added) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
         ran.append(depth)
     return ran
 
@@ -402,3 +430,27 @@ def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_
     spec = profiled(0.05)
     spec._depth = 0
     assert set(serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.0, 3: 0.0})) == {0}
+
+
+def test_a_deeper_depth_priced_by_a_few_noisy_steps_is_not_taken_on_their_noise():
+    """Depth 1 is 3% slower than depth 0 here, and each step's period wanders by 0.5 ms (40% of a depth-1
+    step; at 4 streams on code, 16 steps' mean of what serving adds spread 13-21% of a step). A seek's 16
+    steps then look 5% better often enough that, taken at their word, the policy went deeper after some seeks
+    in every run (and stayed there up to STALE_STEPS: depth 0's price is the one it had when it looked worst);
+    taken DOUBT standard errors high, it stays at depth 0 but for the seeks in most runs."""
+    runs = []
+    for seed in range(6):
+        spec = profiled(0.4)
+        spec._depth = 0
+        ran = serve_one_row(spec, 6000, {d: 0.3 for d in range(K + 1)}, noise_ms=0.5, seed=seed)
+        runs.append(len(ran) - ran.count(0))
+    assert min(runs) > 0  # sought
+    assert np.median(runs) <= 6 * ServingExtra.MIN_SAMPLES  # sought once in STALE_STEPS, and no more
+
+
+def test_a_deeper_depth_that_is_better_is_taken_through_the_noise():
+    """The seek test above with that noise: depth 1 16% better is still served."""
+    spec = profiled(0.4)
+    spec._depth = 0
+    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05}, noise_ms=0.5)
+    assert ran[1000:].count(1) >= 0.85 * 2000
