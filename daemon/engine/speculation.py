@@ -44,9 +44,9 @@ SWITCH_MARGIN = 0.05
 PRICE_BAND = 0.10
 # NOTE: going deeper is decided on a deeper depth's price taken DOUBT standard errors of its own mean high
 # (ServingExtra.uncertainty): a price of few steps is noisy beside the margin. At 4 streams on code a 16-step
-# mean of what serving adds spread 0.40-0.49 ms about its depth's (sd; 13-21% of a 2.3-3.0 ms step), so
-# a seek of depth 2 from depth 1 went deeper about as often as not where depth 1 was 4-9% faster; at 64
-# streams 0.56-0.88 ms (3-5% of a 17.8 ms step) beside depths that differed by ~2%.
+# mean of what serving adds spread 0.40-0.49 ms about the rest of its spell's (sd; 13-21% of a 2.3-3.0 ms
+# step), at 64 streams 0.56-0.88 ms (3-5% of a 17.8 ms step), where the margin is 5% and the depths differed
+# by 2-9%: a 16-step seek decided by its noise.
 DOUBT = 2.0
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
