@@ -42,11 +42,9 @@ SWITCH_MARGIN = 0.05
 # depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
 # (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
 PRICE_BAND = 0.10
-# NOTE: going deeper is decided on a deeper depth's price taken DOUBT standard errors of its own mean high
-# (ServingExtra.uncertainty): a price of few steps is noisy beside the margin. At 4 streams on code a 16-step
-# mean of what serving adds spread 0.40-0.49 ms about the rest of its spell's (sd; 13-21% of a 2.3-3.0 ms
-# step), at 64 streams 0.56-0.88 ms (3-5% of a 17.8 ms step), where the margin is 5% and the depths differed
-# by 2-9%: a 16-step seek decided by its noise.
+# NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
+# of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
+# step), 0.56-0.88 ms at 64 (3-5%), where the margin is 5% and the depths differed by 2-9%.
 DOUBT = 2.0
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
@@ -304,13 +302,9 @@ class Speculation:
             serving adds to a step of these rows at this depth."""
             return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
-        def cautious(depth: int) -> float:
-            """A deeper depth's period, what serving adds to it taken DOUBT standard errors high."""
-            doubt = DOUBT * self.extra.uncertainty(len(caps_e), depth) if depth > self._depth else 0.0
-            return period(depth) + doubt
-
         per_second = depth_rates(gain, caps_e, floors, period)
-        depth = self._depth = pick_depth(depth_rates(gain, caps_e, floors, cautious), self._depth, SWITCH_MARGIN)
+        cautious = depth_rates(gain, caps_e, floors, lambda d: period(d) + self._doubt(len(caps_e), d))
+        depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
         seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
         if self.trace is not None:
             self._trace_decision(self.trace, depth + 1 if seeking else depth, gain, caps_e, floors,
@@ -333,6 +327,10 @@ class Speculation:
         self._fade_doubted(slots[emits], drafts[emits], rates, prior)
         self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
+
+    def _doubt(self, num_emitting: int, depth: int) -> float:
+        """What a deeper depth's price is taken high by: DOUBT standard errors of its own mean."""
+        return DOUBT * self.extra.uncertainty(num_emitting, depth) if depth > self._depth else 0.0
 
     def _hold(self, held: Hold | None, depth: int, num_emitting: int, clear: bool, hoping: bool,
               slot_cost: float) -> None:

@@ -17,9 +17,6 @@ from mtpserve.engine.step_trace import StepTrace
 from mtpserve.ipc.sampling_params import SamplingParams
 from spec_rows import K, decode_row
 
-WARMUP = ServingExtra.WARMUP_STEPS
-
-
 @pytest.fixture(autouse=True)
 def steady(monkeypatch):
     """These tests price a steady load: what serving adds is learnt from its first step."""
@@ -304,91 +301,6 @@ def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decod
     quiet = (spec.costs.device(mixed) - spec.costs.device(decode)) / 256
     assert spec._prefill_cost(decode, 16) == pytest.approx(quiet - 3.9e-3 / 256)
     assert spec.observe(decode, 5e-3, None).period == pytest.approx(spec.costs.device(decode) + 1.4e-3)
-
-
-def test_a_depth_not_run_for_a_while_is_priced_again_as_the_depth_in_use_and_then_afresh():
-    """A depth's own price is recent or not used: serving's share of the cores moves, and a price learnt in
-    a busy spell would otherwise keep the policy off that depth for good."""
-    extra = ServingExtra()
-    for _ in range(ServingExtra.STALE_STEPS // ServingExtra.YOUNG_STEPS):
-        extra.observe(4, 5e-3, 2e-3, depth=2)  # a busy spell at depth 2, long enough to stay recent as long as any
-    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)
-    for _ in range(ServingExtra.STALE_STEPS):
-        extra.observe(4, 1.5e-3, 1e-3, depth=1)
-    assert extra.seconds(4, depth=2) == pytest.approx(3e-3)  # still recent
-    extra.observe(4, 1.5e-3, 1e-3, depth=1)
-    assert extra.seconds(4, depth=2) == pytest.approx(0.5e-3)  # not: every depth's mean, the depth in use's
-    for i in range(ServingExtra.MIN_SAMPLES):
-        assert extra.seconds(4, depth=2) < 1e-3  # run again: not priced by the old spell meanwhile
-        extra.observe(4, 2.8e-3, 2e-3, depth=2)
-    assert extra.seconds(4, depth=2) == pytest.approx(0.8e-3)  # its own again, from its new steps alone
-
-
-def test_a_depth_priced_by_a_few_steps_is_priced_as_the_depth_in_use_sooner():
-    """The first steps that serve are slow: a depth run only then must not keep their price for STALE_STEPS
-    (the policy stayed at the other depth that long where this one was faster)."""
-    extra = ServingExtra()
-    young = 2 * ServingExtra.MIN_SAMPLES
-    for _ in range(young):
-        extra.observe(4, 3.5e-3, 2e-3, depth=1)  # the first steps: 1.5 ms more than the profile
-    for _ in range(young * ServingExtra.YOUNG_STEPS):
-        extra.observe(4, 3e-3, 2.5e-3, depth=2)  # then depth 2's steps, 0.5 ms more
-    assert extra.seconds(4, depth=1) == pytest.approx(1.5e-3)  # still its own
-    extra.observe(4, 3e-3, 2.5e-3, depth=2)
-    # NOTE: every depth's mean, the depth in use's by now: a mean of a few steps is recent for fewer
-    assert extra.seconds(4, depth=1) == pytest.approx(0.5e-3, rel=0.01)
-    for _ in range(young):
-        extra.observe(4, 2.4e-3, 2e-3, depth=1)  # run again: afresh, without the first steps
-    assert extra.seconds(4, depth=1) == pytest.approx(0.4e-3)
-
-
-def test_the_first_steps_at_these_rows_teach_nothing(monkeypatch):
-    """A load's first steps are slow (at 4 streams on code, 0.8-2.4 ms more than the profile for ~20-25
-    steps, 0.3-0.5 ms later): learnt, they priced the depth that ran them out of use."""
-    monkeypatch.setattr(ServingExtra, "WARMUP_STEPS", WARMUP)
-    extra = ServingExtra()
-    for _ in range(WARMUP):
-        extra.observe(4, 4e-3, 2e-3, depth=1)
-    assert extra.seconds(4, depth=1) == 0.0  # nothing learnt yet
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(4, 2.4e-3, 2e-3, depth=1)
-    assert extra.seconds(4, depth=1) == pytest.approx(0.4e-3)
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(8, 5e-3, 4e-3, depth=1)  # the first steps at other rows: nothing learnt there either
-    assert extra.seconds(8, depth=1) == pytest.approx(0.4e-3)  # the nearest rows' (every depth's) mean
-
-
-def test_the_prompts_share_takes_both_kinds_of_step_from_one_source():
-    """A depth with its own decode mean but no own chunk mean yet: the extra of a chunk step over a decode
-    step is every depth's chunk steps less every depth's decode steps, not less this depth's own decode
-    steps; once it has both of its own, its own two."""
-    extra = ServingExtra()
-    for i in range(4 * ServingExtra.MIN_SAMPLES):
-        extra.observe(16, 3e-3, 2e-3, depth=0)  # decode steps at depth 0 add 1 ms
-        if i % 2 == 0:
-            extra.observe(16, 2.5e-3, 2e-3, has_prefill=True, depth=0)  # its chunk steps 0.5 ms
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(16, 5e-3, 2e-3, depth=1)  # depth 1's decode steps: 3 ms (its profile priced it low)
-    assert extra.seconds(16, depth=1) == pytest.approx(3e-3)
-    assert extra.chunk_extra(16, 1) == pytest.approx(extra.measured(16, True) - extra.measured(16))
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(16, 6e-3, 2e-3, has_prefill=True, depth=1)  # its chunk steps: 4 ms
-    assert extra.chunk_extra(16, 1) == pytest.approx(1e-3)
-
-
-def test_what_serving_adds_is_kept_per_emitting_rows():
-    extra = ServingExtra()
-    assert extra.seconds(64) == 0.0  # nothing measured yet
-    for i in range(ServingExtra.MIN_SAMPLES - 1):
-        device = 10e-3 if i % 2 else 40e-3  # with a prompt chunk and without
-        extra.observe(64, device + 9e-3, device)
-    assert extra.seconds(64) == 0.0  # not enough steps yet
-    extra.observe(64, 34e-3, 25e-3)
-    assert extra.seconds(64) == pytest.approx(9e-3)
-    assert extra.seconds(60) == pytest.approx(9e-3)  # the same half octave of emitting rows
-    for _ in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(4, 2e-3, 1.5e-3)
-    assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
 
 
 def serve_one_row(spec: Speculation, steps: int, added_ms: dict[int, float], kv: int = 300,
