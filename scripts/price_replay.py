@@ -14,7 +14,9 @@ that less the truth's difference, as a share of the step's period:
 - `left early, D`: depth D's first LEFT_STEPS steps are fed (a depth run only in the first, slow steps of
   serving), then only the other depth's;
 - `sought, D`: depth D's ServingExtra.MIN_SAMPLES steps after the SEEK_AT-th are fed (`Speculation` seeks a
-  deeper depth that way), then only the other depth's.
+  deeper depth that way), then only the other depth's;
+- `left at a burst, D`: every step up to depth D's BURST_AT-th, the last BURST_STEPS of D's before it taking
+  BURST of their period more (a burst of host load, which had the policy leave D), then only the other depth's.
 Prints the mean error and the mean absolute error per scenario for the ServingExtra of this tree and of
 each `--extra` file (a module defining one, e.g. `git show REV:daemon/engine/spec_extra.py > OLD.py`).
 """
@@ -36,6 +38,9 @@ from mtpserve.engine.step_trace import COLUMNS
 TRUTH_STEPS = 100
 LEFT_STEPS = 20
 SEEK_AT = 50
+# NOTE: at 64 streams on code, the decode steps of the depth in use took ~3.5 ms (~18% of a step) more for
+# ~20-30 steps while a wave of new requests arrived; the policy left that depth on that price
+BURST_AT, BURST_STEPS, BURST = 500, 25, 0.18
 EVERY = 3
 PROFILE_PAUSE = 1.0  # seconds: the start-up profile ends at the first pause this long
 
@@ -76,10 +81,12 @@ class Steps:
         return self.depths[0] if depth == self.depths[1] else self.depths[1]
 
 
-def replay(steps: Steps, make: Callable[[], Extra], fed: np.ndarray, score_from: int) -> tuple[float, float, int]:
-    """Feed the steps where `fed`, and at every EVERY-th of them from `score_from` on, score the price of the
-    depth not in use: (mean error, mean absolute error, count)."""
+def replay(steps: Steps, make: Callable[[], Extra], fed: np.ndarray, score_from: int,
+           added: np.ndarray | None = None) -> tuple[float, float, int]:
+    """Feed the steps where `fed` (their periods `added` share longer, if given), and at every EVERY-th of them
+    from `score_from` on, score the price of the depth not in use: (mean error, mean absolute error, count)."""
     extra, errors = make(), []
+    period = steps.period if added is None else steps.period * (1.0 + added)
     for i in np.flatnonzero(fed):
         depth, em = int(steps.depth[i]), int(steps.emitting[i])
         other = steps.other(depth)
@@ -88,21 +95,25 @@ def replay(steps: Steps, make: Callable[[], Extra], fed: np.ndarray, score_from:
             price = extra.seconds(em, depth=other) - extra.seconds(em, depth=depth)
             if not np.isnan(truth):
                 errors.append((price - truth) / steps.period[i])
-        extra.observe(em, float(steps.period[i]), float(steps.quiet[i]), False, depth)
+        extra.observe(em, float(period[i]), float(steps.quiet[i]), False, depth)
     e = np.array(errors)
     return (float(e.mean()), float(np.abs(e).mean()), len(e)) if e.size else (float("nan"), float("nan"), 0)
 
 
-def scenarios(steps: Steps) -> dict[str, tuple[np.ndarray, int]]:
-    """Which steps each scenario feeds, and the first step it scores."""
+def scenarios(steps: Steps) -> dict[str, tuple[np.ndarray, int, np.ndarray | None]]:
+    """Which steps each scenario feeds, the first step it scores, and what share longer each period is."""
     index = np.arange(len(steps.depth))
-    out = {"in turn": (np.ones(len(index), bool), 0)}
+    out: dict[str, tuple[np.ndarray, int, np.ndarray | None]] = {"in turn": (np.ones(len(index), bool), 0, None)}
     for d in steps.depths:
         mine = np.flatnonzero(steps.depth == d)
         for name, chosen in ((f"left early, {d}", mine[:LEFT_STEPS]),
                              (f"sought, {d}", mine[SEEK_AT:SEEK_AT + ServingExtra.MIN_SAMPLES])):
             # NOTE: scored after the depth's last fed step: every step fed from there is the other depth's
-            out[name] = ((steps.depth != d) | np.isin(index, chosen), int(chosen[-1]) + 1)
+            out[name] = ((steps.depth != d) | np.isin(index, chosen), int(chosen[-1]) + 1, None)
+        if mine.size > BURST_AT:
+            left = int(mine[BURST_AT])
+            added = np.where(np.isin(index, mine[BURST_AT - BURST_STEPS:BURST_AT]), BURST, 0.0)
+            out[f"left at a burst, {d}"] = ((steps.depth != d) | (index < left), left, added)
     return out
 
 
@@ -127,12 +138,12 @@ def main() -> None:
     print(f"{args.trace}: {len(steps.depth)} decode steps at {args.rows[0]}-{args.rows[1]} emitting rows, depths "
           f"{steps.depths}; the other depth's price less the truth, share of the period: mean / mean |.|")
     report: dict[str, dict[str, list[float]]] = {}
-    for name, (fed, score_from) in scenarios(steps).items():
+    for name, (fed, score_from, added) in scenarios(steps).items():
         row = report[name] = {}
         for label, make in makers.items():
-            mean, absolute, count = replay(steps, make, fed, score_from)
+            mean, absolute, count = replay(steps, make, fed, score_from, added)
             row[label] = [mean, absolute, count]
-        print(f"  {name:16s}" + "".join(f"  {label}: {m:+.3f} / {a:.3f}" for label, (m, a, _) in row.items()))
+        print(f"  {name:20s}" + "".join(f"  {label}: {m:+.3f} / {a:.3f}" for label, (m, a, _) in row.items()))
     if args.json:
         args.json.write_text(json.dumps({"trace": str(args.trace), "rows": args.rows, "scenarios": report}, indent=2))
 
