@@ -5,6 +5,7 @@ the host loop, the HTTP process and any client share the cores with the device.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import TypeVar
 
 
@@ -55,6 +56,17 @@ class ServingExtra:
     # more than the profile, 0.3-0.5 ms later (five fresh launches); learnt, they were depth 1's price when
     # the policy sought depth 2, which then ran for the ~230 steps that price lived (YOUNG_STEPS).
     WARMUP_STEPS = 32
+    # NOTE: a depth left while its steps took more than they had (its mean more than RISE standard errors, and
+    # RISE_SHARE of its step, over what it was PAST_STEPS of its steps before) is `suspect` until it runs
+    # again: its price may be a passing burst's. It keeps that price, and the policy runs it for a few steps
+    # to price it afresh where its mean from before the rise says it is worth it. At 64 streams on code, a
+    # wave of new requests added ~3.5 ms to ~20-30 decode steps at depth 1 (~18% of a step); the policy left
+    # depth 1 on that price and kept it for the STALE_STEPS it lived (replayed: depth 1 priced 12-18% of a
+    # step too high). Priced by its mean from before the rise instead, a depth left at 4 streams, where the
+    # host's level moves and stays, was priced 3-8% of a step too low on average.
+    PAST_STEPS = 100
+    RISE = 3.0  # NOTE: of the mean's own standard error: two readings of a noisy mean, each ~1 of them
+    RISE_SHARE = 0.05  # NOTE: and of the step's period: a mean that creeps up as contexts grow is no burst
 
     def __init__(self) -> None:
         self._mean: dict[tuple[bool, int], float] = {}  # every depth's steps
@@ -65,6 +77,10 @@ class ServingExtra:
         self._depth_seen: dict[tuple[bool, int, int], int] = {}  # its cell's count at its last step
         self._sought: dict[tuple[bool, int, int], int] = {}  # a decode depth's cell count when `seek` ran it
         self._arrived: dict[tuple[bool, int], int] = {}  # a cell's steps, its warm-up included
+        self._depth_past: dict[tuple[bool, int, int], deque[float]] = {}  # its own after each of its last steps
+        self._last_depth: dict[tuple[bool, int], int] = {}  # the depth of a cell's last step
+        self._suspect: dict[tuple[bool, int, int], float] = {}  # left on a rise, not run since: the mean before
+        self._depth_period: dict[tuple[bool, int, int], float] = {}  # the period of its last step
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
@@ -78,14 +94,42 @@ class ServingExtra:
             return
         _update(self._mean, self._count, key, extra, self.WEIGHT)
         own = (*key, depth)
+        self._leave(key, depth)
+        self._suspect.pop(own, None)
         if not self._is_recent(own):
-            self._depth_count[own] = 0  # NOTE: a plain mean again, of what this depth takes now
+            self._restart(own)
         deviation = extra - self._depth_mean.get(own, extra)
         _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
-        weight = max(1.0 / self._depth_count[own], self.WEIGHT)
-        var = self._depth_var.get(own, 0.0) if self._depth_count[own] > 1 else 0.0
+        count = self._depth_count[own]
+        weight = max(1.0 / count, self.WEIGHT)
+        var = self._depth_var.get(own, 0.0) if count > 1 else 0.0
         self._depth_var[own] = (1.0 - weight) * (var + weight * deviation * deviation)
+        self._depth_past[own].append(self._depth_mean[own])
+        self._depth_period[own] = seconds
         self._depth_seen[own] = self._count[key]
+
+    def _leave(self, key: tuple[bool, int], depth: int) -> None:
+        """A step at `depth` in this cell: the depth its last step ran, if another, is left, and suspect if
+        its mean had risen by more than RISE standard errors and RISE_SHARE of its step over its last
+        PAST_STEPS steps."""
+        last = self._last_depth.get(key)
+        self._last_depth[key] = depth
+        if last is None or last == depth:
+            return
+        left = (*key, last)
+        past = self._depth_past.get(left)
+        if not self._has_own(left) or past is None or len(past) < self.PAST_STEPS:
+            return
+        rise = self._depth_mean[left] - past[0]
+        if rise > self.RISE * self._standard_error(left) and rise > self.RISE_SHARE * self._depth_period[left]:
+            self._suspect[left] = past[0]
+
+    def suspect(self, num_emitting: int, depth: int) -> float | None:
+        """Where decode steps at this depth and these rows are priced by a mean that had risen when the depth
+        was left (a burst of host load as likely as not) and it has not run since, what it added before the
+        rise; else None."""
+        own = (False, self.bucket(num_emitting), depth)
+        return self._suspect.get(own) if self._has_own(own) else None
 
     def _has_own(self, own: tuple[bool, int, int]) -> bool:
         """Whether a depth's own mean prices it: enough steps, and recent."""
@@ -120,8 +164,9 @@ class ServingExtra:
         """The standard error of a decode depth's own mean at these rows (its steps' spread over the steps
         the mean holds, ~1/WEIGHT at most); 0 where it is priced with a borrowed one."""
         own = (False, self.bucket(num_emitting), depth)
-        if not self._has_own(own):
-            return 0.0
+        return self._standard_error(own) if self._has_own(own) else 0.0
+
+    def _standard_error(self, own: tuple[bool, int, int]) -> float:
         samples = min(self._depth_count[own], 2.0 / self.WEIGHT - 1.0)
         return math.sqrt(self._depth_var[own] / samples)
 
@@ -136,9 +181,18 @@ class ServingExtra:
         return sought is None or self._count[key] - sought > self.STALE_STEPS
 
     def seek(self, num_emitting: int, depth: int) -> None:
-        """The policy runs this depth's decode steps at these rows to give it a mean of its own."""
+        """The policy runs this depth's decode steps at these rows to give it a mean of its own (afresh, if
+        it is suspect)."""
         key = (False, self.bucket(num_emitting))
-        self._sought[(*key, depth)] = self._count.get(key, 0)
+        own = (*key, depth)
+        self._sought[own] = self._count.get(key, 0)
+        if self._suspect.pop(own, None) is not None:
+            self._restart(own)
+
+    def _restart(self, own: tuple[bool, int, int]) -> None:
+        """A plain mean again from the depth's next step, of what it takes now."""
+        self._depth_count[own] = 0
+        self._depth_past[own] = deque(maxlen=self.PAST_STEPS)
 
     def chunk_extra(self, num_emitting: int, depth: int) -> float:
         """What serving adds to a step with a prompt chunk beyond what it adds to a decode step, at these

@@ -69,10 +69,12 @@ def is_clear(rates: dict[int, float], depth: int, margin: float) -> bool:
     return all(rate * (1 + margin) < rates[depth] for other, rate in rates.items() if other != depth)
 
 
-def worth_pricing(rates: dict[int, float], depth: int, band: float) -> bool:
-    """Whether the depth after `depth` is within `band` of it: close enough that the price it has is worth
-    checking by running it (a price borrowed from another depth can be off by more than that)."""
-    return depth + 1 in rates and rates[depth + 1] >= (1 - band) * rates[depth]
+def worth_pricing(rates: dict[int, float], depth: int, band: float, other: int | None = None) -> bool:
+    """Whether `other` (the depth after `depth` by default) is within `band` of it: close enough that the
+    price it has is worth checking by running it (a price borrowed from another depth can be off by more
+    than that)."""
+    other = depth + 1 if other is None else other
+    return other in rates and rates[other] >= (1 - band) * rates[depth]
 
 
 def row_drafts(acceptance: np.ndarray, depth: int, caps: np.ndarray, floors: np.ndarray,

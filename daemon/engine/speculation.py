@@ -305,12 +305,12 @@ class Speculation:
         per_second = depth_rates(gain, caps_e, floors, period)
         cautious = depth_rates(gain, caps_e, floors, lambda d: period(d) + self._doubt(len(caps_e), d))
         depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
-        seeking = worth_pricing(per_second, depth, PRICE_BAND) and self.extra.borrowed(len(caps_e), depth + 1)
+        sought = self._to_price(per_second, depth, len(caps_e), period, extra)
         if self.trace is not None:
-            self._trace_decision(self.trace, depth + 1 if seeking else depth, gain, caps_e, floors,
+            self._trace_decision(self.trace, depth if sought is None else sought, gain, caps_e, floors,
                                  (period, prompts, extra))
-        if seeking:
-            drafts[emits] = self._seek_price(len(caps_e), depth + 1, caps_e, floors)
+        if sought is not None:
+            drafts[emits] = self._seek_price(len(caps_e), sought, caps_e, floors)
             return drafts
         full = np.maximum(np.minimum(caps_e, depth), floors)
         step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
@@ -327,6 +327,25 @@ class Speculation:
         self._fade_doubted(slots[emits], drafts[emits], rates, prior)
         self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
+
+    def _to_price(self, rates: dict[int, float], depth: int, num_emitting: int, period: Callable[[int], float],
+                  extra: Callable[[int], float]) -> int | None:
+        """A depth next to the chosen one whose price is worth measuring now: the deeper one, within PRICE_BAND
+        of the chosen one, if its price is borrowed from it (spec_extra.ServingExtra.borrowed); either one,
+        if it was left on a rise and is within the band at what serving added to it before the rise
+        (`ServingExtra.suspect`); None if neither."""
+        deeper = depth + 1
+        if worth_pricing(rates, depth, PRICE_BAND, deeper) and self.extra.borrowed(num_emitting, deeper):
+            return deeper
+        for other in (deeper, depth - 1):
+            before = self.extra.suspect(num_emitting, other)
+            if before is None or other not in rates:
+                continue
+            # NOTE: its rate had it added what it did before the rise
+            rate = rates[other] * period(other) / max(period(other) - extra(other) + before, 1e-9)
+            if worth_pricing({**rates, other: rate}, depth, PRICE_BAND, other):
+                return other
+        return None
 
     def _doubt(self, num_emitting: int, depth: int) -> float:
         """What a deeper depth's price is taken high by: DOUBT standard errors of its own mean."""

@@ -96,3 +96,43 @@ def test_what_serving_adds_is_kept_per_emitting_rows():
     for _ in range(ServingExtra.MIN_SAMPLES):
         extra.observe(4, 2e-3, 1.5e-3)
     assert extra.seconds(4) == pytest.approx(0.5e-3) and extra.seconds(8) == pytest.approx(0.5e-3)  # the nearest
+
+
+def _steps(extra: ServingExtra, n: int, added: float, depth: int, rows: int = 64, device: float = 10e-3) -> None:
+    for _ in range(n):
+        extra.observe(rows, device + added, device, depth=depth)
+
+
+def test_a_depth_left_on_a_sharp_rise_is_suspect_and_keeps_its_price_until_sought():
+    """Left while its mean had risen sharply (a burst), a depth keeps the price it has, says what it added
+    before the rise, and is priced afresh once sought; run again without a seek, it is no longer suspect."""
+    extra = ServingExtra()
+    _steps(extra, 300, 4e-3, depth=1)
+    _steps(extra, 30, 8e-3, depth=1)  # a burst: ~1.8 ms on the mean, ~9% of a 20 ms step
+    risen = extra.seconds(64, depth=1)
+    _steps(extra, 1, 4e-3, depth=0)  # the policy left depth 1
+    assert extra.suspect(64, 1) == pytest.approx(4e-3)
+    assert extra.seconds(64, depth=1) == pytest.approx(risen)
+    extra.seek(64, 1)
+    assert extra.suspect(64, 1) is None
+    _steps(extra, ServingExtra.MIN_SAMPLES, 4.2e-3, depth=1)
+    assert extra.seconds(64, depth=1) == pytest.approx(4.2e-3)  # its seek's steps alone
+    _steps(extra, 300, 4e-3, depth=1)
+    _steps(extra, 30, 8e-3, depth=1)
+    _steps(extra, 1, 4e-3, depth=0)
+    _steps(extra, 1, 8e-3, depth=1)  # run again: its own steps price it, as for any depth in use
+    assert extra.suspect(64, 1) is None
+
+
+def test_a_depth_left_after_a_slow_climb_or_a_small_rise_is_not_suspect():
+    """A mean that creeps up over its last PAST_STEPS steps (contexts growing), or rises by less than
+    RISE_SHARE of its step, is what the depth takes now."""
+    extra = ServingExtra()
+    for i in range(400):
+        extra.observe(64, 10e-3 + 4e-3 + 3e-3 * i / 400, 10e-3, depth=1)  # +3 ms over 400 steps
+    _steps(extra, 1, 4e-3, depth=0)
+    assert extra.suspect(64, 1) is None
+    _steps(extra, 300, 4e-3, depth=1)
+    _steps(extra, 30, 5e-3, depth=1)  # ~0.45 ms on the mean: ~3% of its step
+    _steps(extra, 1, 4e-3, depth=0)
+    assert extra.suspect(64, 1) is None
