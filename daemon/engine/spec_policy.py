@@ -11,7 +11,7 @@ wide as the widest), so the policy decides in two parts:
    going deeper leaves gaps in the new depths' MTP KV and noise must not flip it (a shallower one leaves
    none, and is taken as soon as it is the best);
    A deeper depth within a band of the depth in use whose price is borrowed from it (what serving adds
-   to a step, spec_extra.py) is first run for a few steps to price it (`worth_pricing`, speculation.py);
+   to a step, spec_extra.py) is first run for a few steps to price it (`worth_pricing`, spec_seek.py);
 2. each row's drafts k_r <= min(D, cap_r): draft j is worth its window slot when the chance that it is
    reached and accepted, prod_{i<=j} a_i, exceeds what the slot costs in tokens: the step's rate times
    the seconds one more window token adds. A request whose drafts are rarely accepted drafts less.

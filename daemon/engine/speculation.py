@@ -25,27 +25,14 @@ from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_load import context, decode_loads, prefill_and_emitting
-from mtpserve.engine.spec_policy import (depth_rates, expected_tokens, is_clear, pick_depth, row_drafts,
-                                          worth_pricing)
+from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts
+from mtpserve.engine.spec_seek import depth_to_price, doubt_seconds
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, below, first_doubt, window_table
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
-# NOTE: a depth not run lately at these rows is priced with what serving adds to the depth in use's steps
-# (spec_extra.py), and that can be off by more than the margin: at 64 streams on code (256-token prompts),
-# serving's depth-0 steps took 9-10 ms more than the profile's curves (their KV, ~80 MB, no longer fits the
-# cache; the profile's did) and depth-1 steps ~4 ms more (the curves already charge their second query
-# per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and never
-# ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
-# depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
-# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
-PRICE_BAND = 0.10
-# NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
-# of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
-# step), 0.56-0.88 ms at 64 (3-5%), where the margin is 5% and the depths differed by 2-9%.
-DOUBT = 2.0
 # NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
 # (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
 # drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
@@ -303,9 +290,10 @@ class Speculation:
             return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
         per_second = depth_rates(gain, caps_e, floors, period)
-        cautious = depth_rates(gain, caps_e, floors, lambda d: period(d) + self._doubt(len(caps_e), d))
+        cautious = depth_rates(gain, caps_e, floors,
+                               lambda d: period(d) + doubt_seconds(self.extra, len(caps_e), d, self._depth))
         depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
-        sought = self._to_price(per_second, depth, len(caps_e), period, extra)
+        sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
         if self.trace is not None:
             self._trace_decision(self.trace, depth if sought is None else sought, gain, caps_e, floors,
                                  (period, prompts, extra))
@@ -327,29 +315,6 @@ class Speculation:
         self._fade_doubted(slots[emits], drafts[emits], rates, prior)
         self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
-
-    def _to_price(self, rates: dict[int, float], depth: int, num_emitting: int, period: Callable[[int], float],
-                  extra: Callable[[int], float]) -> int | None:
-        """A depth next to the chosen one whose price is worth measuring now: the deeper one, within PRICE_BAND
-        of the chosen one, if its price is borrowed from it (spec_extra.ServingExtra.borrowed); either one,
-        if it was left on a rise and is within the band at what serving added to it before the rise
-        (`ServingExtra.suspect`); None if neither."""
-        deeper = depth + 1
-        if worth_pricing(rates, depth, PRICE_BAND, deeper) and self.extra.borrowed(num_emitting, deeper):
-            return deeper
-        for other in (deeper, depth - 1):
-            before = self.extra.suspect(num_emitting, other)
-            if before is None or other not in rates:
-                continue
-            # NOTE: its rate had it added what it did before the rise
-            rate = rates[other] * period(other) / max(period(other) - extra(other) + before, 1e-9)
-            if worth_pricing({**rates, other: rate}, depth, PRICE_BAND, other):
-                return other
-        return None
-
-    def _doubt(self, num_emitting: int, depth: int) -> float:
-        """What a deeper depth's price is taken high by: DOUBT standard errors of its own mean."""
-        return DOUBT * self.extra.uncertainty(num_emitting, depth) if depth > self._depth else 0.0
 
     def _hold(self, held: Hold | None, depth: int, num_emitting: int, clear: bool, hoping: bool,
               slot_cost: float) -> None:

@@ -1,0 +1,53 @@
+"""Where the speculation policy measures a price before trusting it (speculation.py): a depth next to the
+chosen one is run for a few steps when its price is borrowed from the depth in use or was left on a burst
+(what serving adds, spec_extra.py), and going deeper takes the deeper depth's price some standard errors
+high, since a few steps' mean wanders by more than the switching margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mtpserve.engine.spec_extra import ServingExtra
+from mtpserve.engine.spec_policy import worth_pricing
+
+# NOTE: a depth not run lately at these rows is priced with what serving adds to the depth in use's steps
+# (spec_extra.py), and that can be off by more than the margin: at 64 streams on code (256-token prompts),
+# serving's depth-0 steps took 9-10 ms more than the profile's curves (their KV, ~80 MB, no longer fits the
+# cache; the profile's did) and depth-1 steps ~4 ms more (the curves already charge their second query
+# per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and never
+# ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
+# depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
+# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
+PRICE_BAND = 0.10
+# NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
+# of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
+# step), 0.56-0.88 ms at 64 (3-5%), where the margin is 5% and the depths differed by 2-9%.
+DOUBT = 2.0
+
+
+def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num_emitting: int,
+                   period: Callable[[int], float], added: Callable[[int], float]) -> int | None:
+    """A depth next to the chosen `depth` whose price is worth measuring now (`rates`: tokens per second by
+    depth; `period`, `added`: a step's priced seconds by depth, and what serving adds in them): the deeper
+    one, within PRICE_BAND of the chosen one, if its price is borrowed from it (ServingExtra.borrowed);
+    either one, if it was left on a rise and is within the band at what serving added to it before the rise
+    (ServingExtra.suspect); None if neither."""
+    deeper = depth + 1
+    if worth_pricing(rates, depth, PRICE_BAND, deeper) and extra.borrowed(num_emitting, deeper):
+        return deeper
+    for other in (deeper, depth - 1):
+        before = extra.suspect(num_emitting, other)
+        if before is None or other not in rates:
+            continue
+        # NOTE: its rate had it added what it did before the rise
+        rate = rates[other] * period(other) / max(period(other) - added(other) + before, 1e-9)
+        if worth_pricing({**rates, other: rate}, depth, PRICE_BAND, other):
+            return other
+    return None
+
+
+def doubt_seconds(extra: ServingExtra, num_emitting: int, depth: int, current: int) -> float:
+    """What a depth deeper than the one in use (`current`) has its price taken high by: DOUBT standard errors
+    of its own mean."""
+    return DOUBT * extra.uncertainty(num_emitting, depth) if depth > current else 0.0
