@@ -40,8 +40,8 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
         before = extra.suspect(num_emitting, other)
         if before is None or other not in rates:
             continue
-        # NOTE: its rate had it added what it did before the rise
-        rate = rates[other] * period(other) / max(period(other) - added(other) + before, 1e-9)
+        # NOTE: its rate had it added what it did before the rise (never below 0, as ServingExtra.seconds prices)
+        rate = rates[other] * period(other) / max(period(other) - added(other) + max(before, 0.0), 1e-9)
         if worth_pricing({**rates, other: rate}, depth, PRICE_BAND, other):
             return other
     return None
