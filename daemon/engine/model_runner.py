@@ -22,7 +22,8 @@ from mtpserve.engine.mtp_proposer import MTPProposer
 from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window, block_rows
-from mtpserve.engine.spec_verify import VerifyResult, verify, verify_greedy_numpy
+from mtpserve.engine.spec_verify import (HostSampling, VerifyResult, host_sampling_available, sample_and_verify,
+                                         verify, verify_greedy_numpy)
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult, StepTiming
 from mtpserve.host_tensor import StagedTensors, host_tensor
 from mtpserve.model.attention_context import PagedContext
@@ -64,6 +65,8 @@ class PaddleModelRunner:
         self._staged = StagedTensors()
         self.proposer = MTPProposer(model, depth_caches, self._staged) if k else None
         self._stream = DeviceStream("model-device")
+        # NOTE: sampled steps draw and verify in one CPU op where it is built (spec_verify.sample_and_verify)
+        self._host_sampling = host_sampling_available()
 
     def launch(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._stream.submit(self._execute, plan)
@@ -175,6 +178,8 @@ class PaddleModelRunner:
         if plain:
             target = (paddle.argmax(logits, axis=-1) if raw_greedy is None else raw_greedy).numpy()
             return self._greedy(plan, (target if spread is None else target[spread]).reshape(b, k + 1), drafts)
+        if self._host_sampling:
+            return self._sample_on_host(plan, logits, drafts)
         out_index = self.state.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
         params = self.sampling.row_params(slots, out_index, self.state)
         counts, mask = self.sampling.penalty_inputs(slots, np.maximum(drafts, 0)) or (None, None)
@@ -193,6 +198,22 @@ class PaddleModelRunner:
         u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
         res = verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
         return self._finish_verify(plan, first, res)
+
+    def _sample_on_host(self, plan: StepPlan, logits: paddle.Tensor, drafts: np.ndarray) -> Verified:
+        """`_decide` past plain greedy, on a CPU host: penalties and the min_tokens mask where a row has them,
+        then every draw and verification in one op (spec_verify.sample_and_verify). drafts: [B, k], -1 padded."""
+        slots, (b, k) = plan.slots, drafts.shape
+        sp, st = self.sampling, self.state
+        out_index = st.out_len[slots][:, None] + np.arange(k + 1)[None, :]  # [B, k+1]
+        counts, mask = sp.penalty_inputs(slots, np.maximum(drafts, 0)) or (None, None)
+        if counts is not None or (st.min_tokens[slots] > st.out_len[slots]).any():
+            logits = processed_logits(logits, counts, mask, sp.row_params(slots, out_index, st))
+        keys = np.broadcast_to(st.keys[slots][:, None], out_index.shape)
+        params = HostSampling(sp.temperature[slots], sp.top_p[slots], sp.top_k[slots], sp.min_p[slots])
+        tokens, accepted = sample_and_verify(logits, drafts, params, rng.uniforms_host(keys, out_index, rng.Purpose.SAMPLE),
+                                             rng.uniforms_host(keys, out_index, rng.Purpose.ACCEPT)[:, :k],
+                                             plan.is_prefill)
+        return Verified(tokens, accepted + 1, accepted)
 
     def _is_plain_greedy(self, slots: np.ndarray) -> bool:
         """Greedy, no penalties, no stop token masked by min_tokens: the raw argmax decides."""
