@@ -8,12 +8,13 @@
 // is one pass per window row it needs: rows past the first rejection are never read.
 //
 // Inputs (B requests, windows of W rows, vocabulary V; row b*W+j of `logits` is request b's position j):
-//   logits       [B*W, V] float32, penalties and the min_tokens mask already applied
-//   drafts       [B, W] int64: d_1..d_{W-1}, -1 past a request's last draft; the last column is not read
-//   temperature, top_p, min_p [B] float32; top_k [B] int64 (<= 0: off)
-//   u_sample     [B, W] float32 in (0, 1): position j's draw; u_accept [B, W]: draft j+1's coin (last column
-//                not read)
-//   is_prefill   [B] int32: a prompt chunk's row emits one plain draw at position 0
+//   logits  [B*W, V] float32, penalties and the min_tokens mask already applied
+//   ints    [B, W+1] int64 per request: its drafts d_1..d_{W-1} (-1 past its last), then top_k (<= 0: off),
+//           then 1 if it is a prompt chunk's row (which emits one plain draw at position 0), else 0
+//   floats  [B, 2W+2] float32 per request: temperature (<= 0: greedy), top_p, min_p, the W uniforms of its
+//           positions' draws, then the W-1 uniforms of its drafts' coins
+// (two arrays, not eight: each tensor a step makes on a rank's device thread costs ~50 us cold at batch 1,
+// host_tensor.py)
 // Outputs: tokens [B, W] int64 (accepted drafts, then the recovered/bonus/plain token, then -1) and
 // num_accepted [B] int64.
 //
@@ -183,9 +184,9 @@ int64_t Draw(const float* w, int64_t vocab, float u, int64_t skip) {
 
 struct Request {
   const float* logits;  // [W, V]
-  const int64_t* drafts;  // [W]
+  const int64_t* drafts;  // [W-1]
   const float* u_sample;  // [W]
-  const float* u_accept;  // [W]
+  const float* u_accept;  // [W-1]
   bool prefill;
   Sampling s;
   int64_t width, vocab;
@@ -223,41 +224,32 @@ void Sampled(const Request& r, std::vector<float>& p, Buckets& order) {
   }
 }
 
-std::vector<paddle::Tensor> SampleVerify(const paddle::Tensor& logits, const paddle::Tensor& drafts,
-                                         const paddle::Tensor& temperature, const paddle::Tensor& top_p,
-                                         const paddle::Tensor& top_k, const paddle::Tensor& min_p,
-                                         const paddle::Tensor& u_sample, const paddle::Tensor& u_accept,
-                                         const paddle::Tensor& is_prefill) {
-  for (const paddle::Tensor* t : {&logits, &drafts, &temperature, &top_p, &top_k, &min_p, &u_sample, &u_accept,
-                                  &is_prefill})
-    PD_CHECK(t->is_cpu(), "mtp_sample_verify runs on CPU tensors");
-  for (const paddle::Tensor* t : {&drafts, &temperature, &top_p, &top_k, &min_p, &u_sample, &u_accept, &is_prefill})
-    PD_CHECK(t->is_contiguous(), "mtp_sample_verify takes contiguous parameters");
+std::vector<paddle::Tensor> SampleVerify(const paddle::Tensor& logits, const paddle::Tensor& ints,
+                                         const paddle::Tensor& floats) {
+  PD_CHECK(logits.is_cpu() && ints.is_cpu() && floats.is_cpu(), "mtp_sample_verify runs on CPU tensors");
+  PD_CHECK(ints.is_contiguous() && floats.is_contiguous(), "mtp_sample_verify takes contiguous parameters");
   PD_CHECK(logits.dtype() == paddle::DataType::FLOAT32 && logits.shape().size() == 2, "logits: [B*W, V] float32");
-  PD_CHECK(drafts.dtype() == paddle::DataType::INT64 && drafts.shape().size() == 2, "drafts: [B, W] int64");
-  const int64_t batch = drafts.shape()[0], width = drafts.shape()[1], vocab = logits.shape()[1];
+  PD_CHECK(ints.dtype() == paddle::DataType::INT64 && ints.shape().size() == 2, "ints: [B, W+1] int64");
+  PD_CHECK(floats.dtype() == paddle::DataType::FLOAT32 && floats.shape().size() == 2, "floats: [B, 2W+2] float32");
+  const int64_t batch = ints.shape()[0], width = ints.shape()[1] - 1, vocab = logits.shape()[1];
   PD_CHECK(width >= 1 && logits.shape()[0] == batch * width && vocab > 0, "logits must hold W rows per request");
-  PD_CHECK(temperature.numel() == batch && top_p.numel() == batch && top_k.numel() == batch &&
-               min_p.numel() == batch && is_prefill.numel() == batch, "one sampling parameter per request");
-  PD_CHECK(top_k.dtype() == paddle::DataType::INT64 && is_prefill.dtype() == paddle::DataType::INT32,
-           "top_k: int64, is_prefill: int32");
-  for (const paddle::Tensor* t : {&temperature, &top_p, &min_p, &u_sample, &u_accept})
-    PD_CHECK(t->dtype() == paddle::DataType::FLOAT32, "temperature, top_p, min_p and the uniforms are float32");
-  PD_CHECK(u_sample.numel() == batch * width && u_accept.numel() == batch * width, "uniforms: [B, W]");
+  PD_CHECK(floats.shape()[0] == batch && floats.shape()[1] == 2 * width + 2, "floats: [B, 2W+2]");
   const paddle::Tensor lc = logits.is_contiguous() ? logits : logits.contiguous();
   const float* x = lc.data<float>();
-  const int64_t* d = drafts.data<int64_t>();
-  for (int64_t i = 0; i < drafts.numel(); ++i) PD_CHECK(d[i] < vocab, "a draft outside the vocabulary");
+  const int64_t* in = ints.data<int64_t>();
+  const float* fl = floats.data<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j + 1 < width; ++j) PD_CHECK(in[b * (width + 1) + j] < vocab, "a draft outside the vocabulary");
   auto place = logits.place();
   paddle::Tensor tokens = paddle::full({batch, width}, -1, paddle::DataType::INT64, place);
   paddle::Tensor accepted = paddle::empty({batch}, paddle::DataType::INT64, place);
   int64_t* out = tokens.data<int64_t>();
   int64_t* acc = accepted.data<int64_t>();
   auto request = [&](int64_t b) {
-    const Sampling s{temperature.data<float>()[b], top_p.data<float>()[b], min_p.data<float>()[b],
-                     top_k.data<int64_t>()[b]};
-    const Request r{x + b * width * vocab, d + b * width, u_sample.data<float>() + b * width,
-                    u_accept.data<float>() + b * width, is_prefill.data<int32_t>()[b] != 0, s, width, vocab,
+    const int64_t* i = in + b * (width + 1);
+    const float* f = fl + b * (2 * width + 2);
+    const Sampling s{f[0], f[1], f[2], i[width - 1]};
+    const Request r{x + b * width * vocab, i, f + 3, f + 3 + width, i[width] != 0, s, width, vocab,
                     out + b * width, acc + b};
     if (s.temperature <= 0.0f) {
       Greedy(r);
@@ -277,17 +269,12 @@ std::vector<paddle::Tensor> SampleVerify(const paddle::Tensor& logits, const pad
   return {tokens, accepted};
 }
 
-std::vector<std::vector<int64_t>> SampleVerifyShape(
-    const std::vector<int64_t>& logits, const std::vector<int64_t>& drafts, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&) {
-  return {drafts, {drafts[0]}};
+std::vector<std::vector<int64_t>> SampleVerifyShape(const std::vector<int64_t>& logits, const std::vector<int64_t>& ints,
+                                                    const std::vector<int64_t>& floats) {
+  return {{ints[0], ints[1] - 1}, {ints[0]}};
 }
 
 std::vector<paddle::DataType> SampleVerifyDtype(const paddle::DataType&, const paddle::DataType&,
-                                                const paddle::DataType&, const paddle::DataType&,
-                                                const paddle::DataType&, const paddle::DataType&,
-                                                const paddle::DataType&, const paddle::DataType&,
                                                 const paddle::DataType&) {
   return {paddle::DataType::INT64, paddle::DataType::INT64};
 }
@@ -295,7 +282,7 @@ std::vector<paddle::DataType> SampleVerifyDtype(const paddle::DataType&, const p
 }  // namespace
 
 PD_BUILD_OP(mtp_sample_verify)
-    .Inputs({"logits", "drafts", "temperature", "top_p", "top_k", "min_p", "u_sample", "u_accept", "is_prefill"})
+    .Inputs({"logits", "ints", "floats"})
     .Outputs({"tokens", "num_accepted"})
     .SetKernelFn(PD_KERNEL(SampleVerify))
     .SetInferShapeFn(PD_INFER_SHAPE(SampleVerifyShape))

@@ -212,7 +212,7 @@ class PaddleModelRunner:
         params = HostSampling(sp.temperature[slots], sp.top_p[slots], sp.top_k[slots], sp.min_p[slots])
         tokens, accepted = sample_and_verify(logits, drafts, params, rng.uniforms_host(keys, out_index, rng.Purpose.SAMPLE),
                                              rng.uniforms_host(keys, out_index, rng.Purpose.ACCEPT)[:, :k],
-                                             plan.is_prefill)
+                                             plan.is_prefill, self._staged.stage)
         return Verified(tokens, accepted + 1, accepted)
 
     def _is_plain_greedy(self, slots: np.ndarray) -> bool:

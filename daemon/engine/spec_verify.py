@@ -16,6 +16,7 @@ On CPU hosts `sample_and_verify` does both, and the plain draws of prompt rows, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -139,18 +140,20 @@ def host_sampling_available() -> bool:
 
 
 def sample_and_verify(logits: paddle.Tensor, drafts: np.ndarray, params: HostSampling, u_sample: np.ndarray,
-                      u_accept: np.ndarray, is_prefill: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      u_accept: np.ndarray, is_prefill: np.ndarray,
+                      stage: Callable[[str, np.ndarray], paddle.Tensor] = lambda _, a: host_tensor(a),
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """`verify` (and a plain draw for prompt rows) in one CPU op. logits: [B*(k+1), V] processed (penalties
     and the min_tokens mask applied), request b's window rows b*(k+1) .. b*(k+1)+k; drafts: [B, k], -1 past
-    a request's last draft; u_sample: [B, k+1], u_accept: [B, k]; is_prefill: [B] bool. -> tokens [B, k+1]
-    (accepted drafts, then the recovered/bonus/plain token, then -1) and drafts accepted [B].
+    a request's last draft; u_sample: [B, k+1], u_accept: [B, k]; is_prefill: [B] bool; `stage` makes the
+    op's two parameter tensors (the runner's StagedTensors.stage). -> tokens [B, k+1] (accepted drafts, then
+    the recovered/bonus/plain token, then -1) and drafts accepted [B].
 
     NOTE: on a 2-core host, ~80 Paddle ops of the reference path took 2.3 ms for one request's window of
     two (0.9 ms with no draft) and 17.6 ms at 64 requests; the op, one pass per window row it reads."""
-    b, k = drafts.shape
-    pad = lambda a, fill: np.concatenate([a, np.full((b, 1), fill, a.dtype)], axis=1)  # noqa: E731
+    ints = np.column_stack([drafts, params.top_k, is_prefill]).astype(np.int64, copy=False)  # [B, k+2]
+    floats = np.column_stack([params.temperature, params.top_p, params.min_p, u_sample, u_accept])  # [B, 2k+4]
     logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
-    tokens, accepted = run_op(SAMPLE_VERIFY_OP, logits, host_tensor(pad(drafts.astype(np.int64), -1)),
-                              *(host_tensor(a) for a in params), host_tensor(u_sample),
-                              host_tensor(pad(u_accept, 1.0)), host_tensor(is_prefill.astype(np.int32)))
+    tokens, accepted = run_op(SAMPLE_VERIFY_OP, logits, stage("sample_ints", ints),
+                              stage("sample_floats", floats.astype(np.float32, copy=False)))
     return tokens.numpy(), accepted.numpy()
