@@ -25,7 +25,8 @@ from mtpserve.config import Config, ConfigError, as_toml, iter_keys, load_config
 BENCH_MODULES = ("mtpserve.bench.ipc", "mtpserve.bench.engine", "mtpserve.bench.serve",
                  "mtpserve.bench.tp", "mtpserve.bench.kv", "mtpserve.bench.pd",
                  "mtpserve.bench.soak", "mtpserve.router.bench", "mtpserve.bench.peer", "mtpserve.bench.prefix",
-                 "mtpserve.bench.chat", "mtpserve.bench.route", "mtpserve.bench.attention")
+                 "mtpserve.bench.chat", "mtpserve.bench.route", "mtpserve.bench.attention",
+                 "mtpserve.bench.sampling")
 EXIT_CONFIG = 2
 
 

@@ -19,11 +19,11 @@ from mtpserve.config import EngineConfig
 from mtpserve.engine import rng
 from mtpserve.engine.device_stream import DeviceStream
 from mtpserve.engine.mtp_proposer import MTPProposer
-from mtpserve.engine.sampler import choose, gather_logprobs, probs_from, processed_logits
+from mtpserve.engine.sampler import gather_logprobs, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window, block_rows
 from mtpserve.engine.spec_verify import (HostSampling, VerifyResult, host_sampling_available, sample_and_verify,
-                                         verify, verify_greedy_numpy)
+                                         sample_and_verify_paddle, verify_greedy_numpy)
 from mtpserve.engine.step_plan import LogprobRows, StepPlan, StepResult, StepTiming
 from mtpserve.host_tensor import StagedTensors, host_tensor
 from mtpserve.model.attention_context import PagedContext
@@ -188,16 +188,7 @@ class PaddleModelRunner:
         if not (self.sampling.temperature[slots] > 0).any():
             # NOTE: an all-greedy batch needs neither probabilities nor random numbers.
             return self._greedy(plan, greedy.numpy(), drafts)
-        probs = probs_from(logits, params).reshape([b, k + 1, -1])
-        keys, idx = params.keys.reshape([b, k + 1]), params.out_index.reshape([b, k + 1])
-        u_sample = rng.uniforms(keys, idx, rng.Purpose.SAMPLE)  # [B, k+1]
-        temperature = params.temperature.reshape([b, k + 1])[:, 0]
-        first = choose(probs[:, 0], greedy[:, 0], u_sample[:, 0], temperature).numpy()
-        if k == 0:
-            return self._finish_verify(plan, first, None)
-        u_accept = rng.uniforms(keys, idx, rng.Purpose.ACCEPT)[:, :k]
-        res = verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
-        return self._finish_verify(plan, first, res)
+        return self._finish_verify(plan, *sample_and_verify_paddle(logits, greedy, params, drafts))
 
     def _sample_on_host(self, plan: StepPlan, logits: paddle.Tensor, drafts: np.ndarray) -> Verified:
         """`_decide` past plain greedy, on a CPU host: penalties and the min_tokens mask where a row has them,

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import paddle
 
-from mtpserve.engine.sampler import draw
+from mtpserve.engine import rng
+from mtpserve.engine.sampler import RowParams, choose, draw, probs_from
 from mtpserve.host_tensor import host_tensor
 from mtpserve.ops import cpu_op_available, run_op
 
@@ -125,6 +126,23 @@ def verify(probs: paddle.Tensor, target_ids: paddle.Tensor, draft_ids: paddle.Te
     return VerifyResult(*(pick(g, s) for g, s in zip(greedy, sampled)))
 
 
+
+def sample_and_verify_paddle(logits: paddle.Tensor, greedy: paddle.Tensor, params: RowParams, drafts: np.ndarray
+                             ) -> tuple[np.ndarray, VerifyResult | None]:
+    """The Paddle way of `sample_and_verify` (other devices, and the op's reference): logits [B*(k+1), V]
+    processed, greedy [B, k+1] their argmax, params of the B*(k+1) verify rows, drafts [B, k] (-1 padded).
+    -> every request's plain draw at position 0 [B], and its window verified (None when k = 0)."""
+    b, k = drafts.shape
+    probs = probs_from(logits, params).reshape([b, k + 1, -1])
+    keys, index = params.keys.reshape([b, k + 1]), params.out_index.reshape([b, k + 1])
+    u_sample = rng.uniforms(keys, index, rng.Purpose.SAMPLE)  # [B, k+1]
+    temperature = params.temperature.reshape([b, k + 1])[:, 0]
+    first = choose(probs[:, 0], greedy[:, 0], u_sample[:, 0], temperature).numpy()
+    if k == 0:
+        return first, None
+    u_accept = rng.uniforms(keys, index, rng.Purpose.ACCEPT)[:, :k]
+    return first, verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
+
 class HostSampling(NamedTuple):
     """Per request [B] of a step, host arrays: what `sample_and_verify` draws with."""
 
@@ -132,6 +150,18 @@ class HostSampling(NamedTuple):
     top_p: np.ndarray  # float32
     top_k: np.ndarray  # int64, <= 0 = off
     min_p: np.ndarray  # float32
+
+    def row_params(self, keys: np.ndarray, out_index: np.ndarray) -> RowParams:
+        """The Paddle path's parameters of these requests' verify rows (keys [B], out_index [B, k+1]), with
+        no penalty and no min_tokens (benchmarks and tests of the op against that path)."""
+        width = out_index.shape[1]
+        rep = lambda a: host_tensor(np.repeat(a, width))  # noqa: E731
+        zeros, ones = np.zeros_like(self.temperature), np.ones_like(self.temperature)
+        return RowParams(temperature=rep(self.temperature), top_p=rep(self.top_p), top_k=rep(self.top_k),
+                         min_p=rep(self.min_p), presence=rep(zeros), frequency=rep(zeros), repetition=rep(ones),
+                         min_tokens=rep(np.zeros_like(self.top_k)), out_index=host_tensor(out_index.reshape(-1)),
+                         keys=rep(keys), stop_ids=host_tensor(np.full((out_index.size, 1), -1, np.int64)),
+                         needs_sort=bool(((self.top_k > 0) | (self.top_p < 1)).any()))
 
 
 def host_sampling_available() -> bool:

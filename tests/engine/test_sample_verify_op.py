@@ -7,9 +7,9 @@ import paddle
 import pytest
 
 from mtpserve.engine import rng
-from mtpserve.engine.sampler import RowParams, choose, probs_from, processed_logits
-from mtpserve.engine.spec_verify import HostSampling, host_sampling_available, sample_and_verify, verify
-from mtpserve.host_tensor import host_tensor
+from mtpserve.engine.sampler import processed_logits
+from mtpserve.engine.spec_verify import (HostSampling, host_sampling_available, sample_and_verify,
+                                         sample_and_verify_paddle)
 from chi_square import chi2_sf
 
 pytestmark = pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU op")
@@ -21,24 +21,11 @@ def paddle_path(logits: np.ndarray, drafts: np.ndarray, hs: HostSampling, keys: 
     """ModelRunner._decide's Paddle path, as it was before the op: [B, k+1] tokens and [B] accepted."""
     b, k = drafts.shape
     width = k + 1
-    rep = lambda a: host_tensor(np.repeat(a, width))  # noqa: E731
-    p = RowParams(temperature=rep(hs.temperature), top_p=rep(hs.top_p), top_k=rep(hs.top_k), min_p=rep(hs.min_p),
-                  presence=rep(np.zeros(b, np.float32)), frequency=rep(np.zeros(b, np.float32)),
-                  repetition=rep(np.ones(b, np.float32)), min_tokens=rep(np.zeros(b, np.int64)),
-                  out_index=host_tensor(out_index.reshape(-1)), keys=rep(keys),
-                  stop_ids=host_tensor(np.full((b * width, 1), -1, np.int64)),
-                  needs_sort=bool(((hs.top_k > 0) | (hs.top_p < 1)).any()))
+    p = hs.row_params(keys, out_index)
     lg = processed_logits(paddle.to_tensor(logits), None, None, p)
-    greedy = paddle.argmax(lg, axis=-1).reshape([b, width])
-    probs = probs_from(lg, p).reshape([b, width, -1])
-    key_t, index_t = p.keys.reshape([b, width]), p.out_index.reshape([b, width])
-    u_sample = rng.uniforms(key_t, index_t, rng.Purpose.SAMPLE)
-    temperature = p.temperature.reshape([b, width])[:, 0]
-    first = choose(probs[:, 0], greedy[:, 0], u_sample[:, 0], temperature).numpy()
-    if k == 0:
+    first, res = sample_and_verify_paddle(lg, paddle.argmax(lg, axis=-1).reshape([b, width]), p, drafts)
+    if res is None:
         return first[:, None], np.zeros(b, np.int64)
-    u_accept = rng.uniforms(key_t, index_t, rng.Purpose.ACCEPT)[:, :k]
-    res = verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
     tokens, accepted = res.token_ids.numpy(), res.num_accepted.numpy()
     tokens[is_prefill] = -1
     tokens[is_prefill, 0] = first[is_prefill]
