@@ -126,7 +126,6 @@ def verify(probs: paddle.Tensor, target_ids: paddle.Tensor, draft_ids: paddle.Te
     return VerifyResult(*(pick(g, s) for g, s in zip(greedy, sampled)))
 
 
-
 def sample_and_verify_paddle(logits: paddle.Tensor, greedy: paddle.Tensor, params: RowParams, drafts: np.ndarray
                              ) -> tuple[np.ndarray, VerifyResult | None]:
     """The Paddle way of `sample_and_verify` (other devices, and the op's reference): logits [B*(k+1), V]
@@ -142,6 +141,7 @@ def sample_and_verify_paddle(logits: paddle.Tensor, greedy: paddle.Tensor, param
         return first, None
     u_accept = rng.uniforms(keys, index, rng.Purpose.ACCEPT)[:, :k]
     return first, verify(probs, greedy, host_tensor(drafts), None, u_accept, u_sample, temperature)
+
 
 class HostSampling(NamedTuple):
     """Per request [B] of a step, host arrays: what `sample_and_verify` draws with."""
