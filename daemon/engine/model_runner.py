@@ -202,7 +202,7 @@ class PaddleModelRunner:
         keys = np.broadcast_to(st.keys[slots][:, None], out_index.shape)
         params = HostSampling(sp.temperature[slots], sp.top_p[slots], sp.top_k[slots], sp.min_p[slots])
         tokens, accepted = sample_and_verify(logits, drafts, params, rng.uniforms_host(keys, out_index, rng.Purpose.SAMPLE),
-                                             rng.uniforms_host(keys, out_index, rng.Purpose.ACCEPT)[:, :k],
+                                             rng.uniforms_host(keys[:, :k], out_index[:, :k], rng.Purpose.ACCEPT),
                                              plan.is_prefill, self._staged.stage)
         return Verified(tokens, accepted + 1, accepted)
 
