@@ -27,7 +27,7 @@ from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_load import context, decode_loads, prefill_and_emitting
 from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts
 from mtpserve.engine.spec_seek import depth_to_price, doubt_seconds
-from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance, below, first_doubt, window_table
+from mtpserve.engine.spec_stats import InstanceAcceptance, SlotAcceptance, below, first_doubt, window_table
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
@@ -66,7 +66,7 @@ class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool, num_slots: int) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive and max_drafts > 0
-        self.instance = DepthAcceptance(max_drafts, decay=0.999)  # the prior of every request
+        self.instance = InstanceAcceptance(max_drafts, decay=0.999)  # the prior of every request
         self.requests = SlotAcceptance(num_slots, max_drafts, decay=0.9)  # each running request's
         self.costs = StepCosts()
         self.extra = ServingExtra()
@@ -119,7 +119,7 @@ class Speculation:
 
         NOTE: the profile's steps had taught the extra of steps with a prompt chunk -6.4 ms at 16 rows,
         which a running mean of serving's steps would take ~500 steps to forget."""
-        self.instance = DepthAcceptance(self.max_drafts, decay=self.instance.decay)
+        self.instance = InstanceAcceptance(self.max_drafts, decay=self.instance.decay)
         self.requests.reset(np.arange(self.requests.counts.shape[0]))
         self.rows_by_drafts[:] = 0
         self.extra = ServingExtra()
@@ -169,24 +169,26 @@ class Speculation:
         self.requests.add(slots, windows)
         # NOTE: the instance's estimate is every new request's prior: only drafts made over a complete
         # MTP context teach it, or a busy spell (little drafting, gaps) would lower it for the quiet
-        # one after it
+        # one after it; the others can only raise it (InstanceAcceptance)
         whole = below(self.max_drafts)[np.minimum(complete, self.max_drafts)]  # [R, K]
-        self.instance.add(windows * whole[:, None, :], int(((complete > 0) & (num_drafts > 0)).sum()))
+        drafted = num_drafts > 0
+        self.instance.add(windows, whole, int((drafted & (complete > 0)).sum()), int(drafted.sum()))
 
     def _observe_few(self, slots: list[int], num_drafts: list[int], num_accepted: list[int],
                      complete: list[int]) -> None:
         """`observe_windows` row by row, for a step of a few rows: the same counts."""
         # NOTE: what the instance learns of a window is its complete depths: the table's window of at most
         # as many drafts and accepted drafts as those depths
-        whole = []
+        whole, every = [], []
         for slot, drafts, accepted, depths in zip(slots, num_drafts, num_accepted, complete):
             if not drafts:
                 continue
             self.requests.add_window(slot, drafts, accepted)
+            every.append((drafts, accepted))
             if depths > 0:
                 whole.append((min(drafts, depths), min(accepted, depths)))
-        if whole:
-            self.instance.add_each(whole)
+        if every:
+            self.instance.add_each(whole, every)
 
     def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
         """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical

@@ -19,7 +19,7 @@ def test_one_new_request_in_a_few_hopes_for_the_first_prior_and_the_rest_trust_t
     spec = Speculation(K, adaptive=True, num_slots=64)
     spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([0]))
+        spec.instance.whole.observe(np.array([K]), np.array([0]))
     drafted = new_requests_drafts(spec)
     assert drafted[0] == drafted[EVERY] == 1 and sum(drafted) == 2
     table = spec.requests  # the hopeful request's own windows soon outweigh its hope
@@ -39,7 +39,7 @@ def test_a_hopeful_request_stops_drafting_as_soon_as_its_windows_are_rejected():
             spec.costs.observe(StepLoad(depth + 1, 1, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
     spec.costs.depth = Curve(prior=lambda n: 0.0)
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([0]))
+        spec.instance.whole.observe(np.array([K]), np.array([0]))
     row = decode_row(0)
     row.request.slot = row.slot
     windows = []
@@ -58,7 +58,7 @@ def test_a_hopeful_request_on_an_instance_that_doubts_nothing_leaves_the_decisio
     spec = Speculation(K, adaptive=True, num_slots=4)
     spec.costs.depth = Curve(prior=lambda n: 0.0)
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([K]))
+        spec.instance.whole.observe(np.array([K]), np.array([K]))
     row = decode_row(0)
     row.request.slot = row.slot
     assert spec.choose(SchedulePlan((row,), (row.request,), (), ()))[0] == K  # the first request is hopeful
@@ -72,7 +72,7 @@ def test_a_hopeful_request_tries_the_first_depth_the_instance_doubts():
     spec = Speculation(K, adaptive=True, num_slots=64)
     spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([1]))
+        spec.instance.whole.observe(np.array([K]), np.array([1]))
     assert spec.instance.rates()[0] > 0.9 and spec.instance.rates()[1] < 0.1
     drafted = new_requests_drafts(spec)
     assert [i for i, k in enumerate(drafted) if k >= 2] == [0, EVERY]
@@ -110,7 +110,7 @@ def test_the_policy_stops_hoping_as_often_where_hopes_keep_failing():
     spec = Speculation(K, adaptive=True, num_slots=64)
     spec.costs.depth = Curve(prior=lambda n: 0.0)  # NOTE: a device with spare compute: drafting is cheap
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([0]))
+        spec.instance.whole.observe(np.array([K]), np.array([0]))
     drafted = new_requests_drafts(spec, 4 * EVERY)
     assert [i for i, k in enumerate(drafted) if k] == [0, EVERY, 3 * EVERY]
 

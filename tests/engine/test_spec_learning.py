@@ -43,7 +43,7 @@ def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
     spec = Speculation(K, adaptive=True, num_slots=2)
     for _ in range(100):
         spec.observe_windows(np.array([0]), np.array([K]), np.array([0]), complete=np.array([1]))
-    assert spec.instance.tried[0] > 0 and spec.instance.tried[1:].sum() == 0
+    assert spec.instance.whole.tried[0] > 0 and spec.instance.whole.tried[1:].sum() == 0
     assert spec.requests.rates(np.array([0]), spec.instance.rates())[0, 0] < 0.25
     windows = DepthAcceptance(K, decay=0.999)
     windows.observe(np.array([0, 2]), np.array([0, 2]))  # a window of no drafts counts for nothing
@@ -52,6 +52,23 @@ def test_only_depths_drafted_over_a_complete_mtp_context_teach_the_instance():
     table.observe(np.array([0, 1]), np.array([K, 0]), np.array([1, 0]))  # K drafts, the first accepted; none
     assert table.tried.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
     assert table.accepted.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_windows_over_gapped_contexts_can_only_raise_the_prior():
+    """What drafts over an MTP context with gaps accept is a lower bound of what whole contexts accept: it
+    lifts the instance's prior where it is more (evidence shrunk towards 0, not towards the first prior)
+    and never lowers it."""
+    spec, slots, rng = Speculation(K, adaptive=True, num_slots=64), np.arange(64), np.random.default_rng(3)
+    assert np.allclose(spec.instance.rates(), spec.instance.whole.rates())  # nothing seen: the first prior
+    gapped = lambda rate: spec.observe_windows(slots, np.ones(64, np.int64),  # noqa: E731
+                                               (rng.random(64) < rate).astype(np.int64), np.zeros(64, np.int64))
+    for _ in range(20):
+        gapped(0.9)
+    assert spec.instance.whole.tried.sum() == 0 and 0.85 < spec.instance.rates()[0] < 0.95
+    assert spec.instance.rates()[0] > spec.instance.whole.rates()[0]
+    for _ in range(200):
+        gapped(0.1)
+    assert spec.instance.rates()[0] == spec.instance.whole.rates()[0]  # the first prior, not the gapped windows' 0.1
 
 
 def test_a_step_of_a_few_rows_learns_as_a_whole_step_would(monkeypatch):
@@ -70,6 +87,8 @@ def test_a_step_of_a_few_rows_learns_as_a_whole_step_would(monkeypatch):
     monkeypatch.setattr(speculation, "FEW_ROWS", 0)
     for step in steps:
         whole.observe_windows(*step)
-    assert few.requests.counts.sum() > 0 and few.instance.counts.sum() > 0
+    assert few.requests.counts.sum() > 0 and few.instance.whole.counts.sum() > 0
     assert np.allclose(few.requests.counts, whole.requests.counts, rtol=1e-12)
-    assert np.allclose(few.instance.counts, whole.instance.counts, rtol=1e-12)
+    assert np.allclose(few.instance.whole.counts, whole.instance.whole.counts, rtol=1e-12)
+    assert few.instance.every.counts.sum() > few.instance.whole.counts.sum()
+    assert np.allclose(few.instance.every.counts, whole.instance.every.counts, rtol=1e-12)

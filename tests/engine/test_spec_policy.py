@@ -191,16 +191,23 @@ def test_the_step_costs_split_the_device_time_into_target_and_depths():
     assert costs.decode(12) == pytest.approx(6e-3)  # frozen: serving does not move them
 
 
-def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0,
-           prefill_per_token: float = 0.0) -> int:
-    """The depth a decode step gets when steps of these rows at each depth took the given periods (all
-    of it on the device, in the target pass), and each emitted token brings `prefill_per_token` prompt
-    tokens (a prompt token costs what a decode token costs, and runs every depth as well)."""
+def measured(periods_ms: list[float], rows: int) -> Speculation:
+    """A policy whose decode steps of these rows at each depth took the given periods (all of it on the
+    device, in the target pass)."""
     spec = Speculation(K, adaptive=True, num_slots=64)
     for depth, ms in enumerate(periods_ms):
         for _ in range(Curve.MIN_SAMPLES):
             spec.costs.observe(StepLoad(rows * (depth + 1), rows, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
     spec.costs.depth = Curve(prior=lambda n: 0.0)
+    return spec
+
+
+def steady(periods_ms: list[float], rows: int, acceptance: float, current: int = 0,
+           prefill_per_token: float = 0.0) -> int:
+    """The depth a decode step gets when steps of these rows at each depth took the given periods (all
+    of it on the device, in the target pass), and each emitted token brings `prefill_per_token` prompt
+    tokens (a prompt token costs what a decode token costs, and runs every depth as well)."""
+    spec = measured(periods_ms, rows)
     if prefill_per_token:
         per_token = (periods_ms[1] - periods_ms[0]) * 1e-3 / rows
         for n in range(rows, rows * (K + 1) + 512, 8):
@@ -251,12 +258,34 @@ def test_the_depth_in_use_is_kept_unless_a_deeper_one_is_clearly_better_or_a_sha
     assert choose(0) == 1 and choose(1) == 1 and choose(3) == 1
 
 
+def test_new_requests_are_priced_by_what_drafts_over_gapped_contexts_accept():
+    """64 new requests (no windows of their own) on a device where depth 1 pays at acceptance 0.88 and not
+    at the first prior's 0.7. Windows over contexts with gaps in their MTP KV (prompts prefilled at depth
+    0) do not teach the instance's estimate, but they accept at least as well as whole ones would: when
+    they accept 0.88, the new requests draft; when they accept 0.5, the instance's estimate from whole
+    contexts (0.88) still prices them."""
+    def depth(gapped: float, whole: float | None = None) -> int:
+        spec, rng, slots = measured([17.5, 30.5, 60.0, 90.0], rows=64), np.random.default_rng(5), np.arange(64)
+        for _ in range(30):
+            for rate, complete in ((gapped, 0), (whole, 1)):
+                if rate is not None:
+                    accepted = (rng.random(64) < rate).astype(np.int64)
+                    spec.observe_windows(slots, np.ones(64, np.int64), accepted, np.full(64, complete))
+        spec.requests.reset(slots)
+        decide(spec, SchedulePlan(tuple(decode_row(i) for i in range(64)), (), (), ()))
+        return spec._depth
+
+    assert depth(gapped=0.88) == 1
+    assert depth(gapped=0.5, whole=0.88) == 1
+    assert depth(gapped=0.5) == 0
+
+
 def test_after_a_spell_of_no_drafting_the_instance_tries_again():
     """Acceptance near zero stops drafting; with nothing drafted nothing teaches the instance's estimate,
     which fades back towards the first prior, so drafting is tried again later."""
     spec = Speculation(K, adaptive=True, num_slots=64)
     for _ in range(300):
-        spec.instance.observe(np.array([K]), np.array([0]))
+        spec.instance.whole.observe(np.array([K]), np.array([0]))
     assert spec.instance.rates()[0] < 0.05
     plan = SchedulePlan((decode_row(0),), (), (), ())
     assert spec.choose(plan).tolist() == [0]

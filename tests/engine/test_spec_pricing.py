@@ -55,8 +55,8 @@ def profiled(acceptance: float) -> Speculation:
             for _ in range(Curve.MIN_SAMPLES):
                 spec.costs.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
     spec.costs.freeze()
-    spec.instance.tried[:] = spec.requests.tried[0] = 1000.0
-    spec.instance.accepted[:] = spec.requests.accepted[0] = 1000.0 * acceptance
+    spec.instance.whole.tried[:] = spec.requests.tried[0] = 1000.0
+    spec.instance.whole.accepted[:] = spec.requests.accepted[0] = 1000.0 * acceptance
     return spec
 
 
@@ -204,8 +204,8 @@ def sixty_four_rows(acceptance: float) -> Speculation:
             for _ in range(Curve.MIN_SAMPLES):
                 spec.costs.observe(load, target + drafts, StepTiming(target, drafts))
     spec.costs.freeze()
-    spec.instance.tried[:] = spec.requests.tried[:] = 1000.0
-    spec.instance.accepted[:] = spec.requests.accepted[:] = 1000.0 * acceptance
+    spec.instance.whole.tried[:] = spec.requests.tried[:] = 1000.0
+    spec.instance.whole.accepted[:] = spec.requests.accepted[:] = 1000.0 * acceptance
     return spec
 
 
