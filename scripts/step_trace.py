@@ -91,7 +91,8 @@ def main() -> None:
     parser.add_argument("--schedule", help="the MTP_DEPTH_SCHEDULE the traced run used")
     parser.add_argument("--min-rows", type=int, default=1, help="with --schedule: fewest emitting rows counted")
     args = parser.parse_args()
-    for path in sorted(glob.glob(f"{args.prefix}.*")):
+    # NOTE: a trace is <prefix>.<pid>; a benchmark's JSON or plot beside it is not one
+    for path in sorted(p for p in glob.glob(f"{args.prefix}.*") if p.rsplit(".", 1)[1].isdigit()):
         d = load(path)
         if d is None:
             continue
