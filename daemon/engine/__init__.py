@@ -23,6 +23,7 @@ Along a request's path:
   rng.py            counter-based uniforms per (request seed, output position, purpose)
   spec_verify.py    greedy verification and lossless rejection sampling
   spec_stats.py     acceptance counters per draft position
+  spec_learning.py  what verified windows and decisions teach the policy's acceptance estimates
   synthetic_runner.py  fixed-step-time device with a set acceptance rate (scheduling benchmarks)
   engine_emitter.py builds one step's StepEmission row by row
   step_emission.py  StepEmission: flat arrays for the output-path op

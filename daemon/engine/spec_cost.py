@@ -132,6 +132,13 @@ class StepLoad(NamedTuple):
     context: int = 0  # what attention reads: decode windows' (query, key) pairs, prompt chunks' positions
 
 
+class Prediction(NamedTuple):
+    """The cost model's figures for a finished step, before it learnt from it (seconds)."""
+
+    device: float  # the device's time on a quiet host (the start-up profile's curves)
+    period: float  # the period: that time plus what serving adds at its rows
+
+
 # NOTE: CPU-sized guesses (seconds) used until a curve has samples: 2 ms + 0.2 ms a token for the target
 # pass, 0.5 ms + 0.05 ms a token for a depth.
 def _target_prior(n: float) -> float:

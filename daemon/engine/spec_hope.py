@@ -10,7 +10,7 @@ NOTE: at four streams on random words (T = 1.5), where nothing is ever accepted,
 cost ~1% of the throughput: its windows were rejected, and the depth it drafted also ran over its
 neighbours' prompt chunks. Doubled after each failure, 160 requests hold 5 hopes instead of 10, and a
 longer run of them one in 128. A load whose acceptance comes back is found within 128 requests at worst,
-or sooner by the instance's fade (speculation.FADE).
+or sooner by the instance's fade (spec_learning.FADE).
 """
 
 from __future__ import annotations

@@ -47,12 +47,14 @@ def depth_rates(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
                 period: Callable[[int], float]) -> dict[int, float]:
     """Expected tokens per second of a step of these rows at each depth from the deepest floor to K, every
     row drafting min(depth, cap) (at least its floor)."""
-    rows, max_depth = np.arange(gain.shape[0]), gain.shape[1] - 1
-    rates = {}
-    for depth in range(int(floors.max(initial=0)), max_depth + 1):
-        drafts = np.maximum(np.minimum(caps, depth), floors)
-        rates[depth] = float(gain[rows, drafts].sum()) / max(period(depth), 1e-9)
-    return rates
+    return {depth: step_tokens(gain, caps, floors, depth) / max(period(depth), 1e-9)
+            for depth in range(int(floors.max(initial=0)), gain.shape[1])}
+
+
+def step_tokens(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, depth: int) -> float:
+    """Expected tokens of a step of these rows at `depth`, every row drafting min(depth, cap) (at least its
+    floor)."""
+    return float(gain[np.arange(gain.shape[0]), np.maximum(np.minimum(caps, depth), floors)].sum())
 
 
 def pick_depth(rates: dict[int, float], current: int, margin: float) -> int:

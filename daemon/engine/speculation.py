@@ -13,61 +13,31 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 import numpy as np
 
 from mtpserve.engine.request import Request
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import StepCosts, StepLoad
+from mtpserve.engine.spec_cost import Prediction, StepCosts, StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
+from mtpserve.engine.spec_learning import Acceptances
 from mtpserve.engine.spec_load import context, decode_loads, prefill_and_emitting
-from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts
+from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts, step_tokens
 from mtpserve.engine.spec_seek import depth_to_price, doubt_seconds
-from mtpserve.engine.spec_stats import InstanceAcceptance, SlotAcceptance, below, first_doubt, window_table
+from mtpserve.engine.spec_stats import InstanceAcceptance, SlotAcceptance, first_doubt
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import DepthSchedule, StepTrace
 
 SWITCH_MARGIN = 0.05
-# NOTE: while nothing drafts, nothing teaches the instance's acceptance. One new request in a few
-# (spec_hope.py) starts from at least the first prior at the first depth the instance doubts (when it
-# drafts alone, its windows teach the instance again; one in 8, hoping at every depth, had 2-5% of rows
-# drafting at one stream where none accept), and the instance's evidence fades back towards the first
-# prior (half-life ~7,000 steps that draft nothing: under a load too heavy for one hopeful row to make a
-# step draft). A fade of ~700 steps had every new
-# request at one stream try drafting: 13-23% of rows drafted where none accept (0.86 of k=0).
-FADE = 0.9999
-# NOTE: a request that drafts nothing learns nothing, so an estimate that a few unlucky windows put low
-# would hold it at depth 0 all its life: at one row on code, where k=0 is 0.8 of k=2, a request whose
-# estimate read 0.8, 0.6, 0.8 (the instance's 0.87, 0.89, 0.86) stayed at depth 0. Each decision that
-# gives it no drafts weakens its own evidence by REQUEST_FADE (half of it in two decisions), back towards
-# the instance's estimate. A hopeful request keeps its evidence: its hope is for one window.
-REQUEST_FADE = 0.7
-# NOTE: likewise a request that drafts fewer than a depth never tries it again, so a few rejections there
-# cut it for the rest of its life: in one process at one stream on 1,024-token outputs, 13% of rows were
-# cut to one draft (1.97 tokens a step, 2.12 for k=2). At each decision, the depths beyond a row's drafts
-# where its estimate is below the instance's lose what the windows since the last decision would have
-# aged had they tried them (`_fade_doubted`), so such a request tries them again within a few holds. Its
-# evidence above the instance's is kept: faded back to the instance's, a request's good depth 2 was priced
-# low after a spell at depth 1 (SlotAcceptance.add says what that cost).
 
-# NOTE: a step of at most this many rows learns its windows row by row (`_observe_few`), each in place
-# from its table entry: at one row the whole-step form's dozen numpy calls on [1, 2, K] arrays took ~23 us
-# a step, each costing its call and not its data, and row by row ~7 us (at four rows 24 and 18 us; at
-# eight the whole-step form is faster). Served at one stream, with the loop's other work between steps,
-# the whole-step form was ~75 us a step, 1.7% of a k=2 step.
-FEW_ROWS = 4
 
 class Speculation:
     def __init__(self, max_drafts: int, adaptive: bool, num_slots: int) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive and max_drafts > 0
-        self.instance = InstanceAcceptance(max_drafts, decay=0.999)  # the prior of every request
-        self.requests = SlotAcceptance(num_slots, max_drafts, decay=0.9)  # each running request's
+        self.acceptance = Acceptances(max_drafts, num_slots)  # each running request's, and the instance's
         self.costs = StepCosts()
         self.extra = ServingExtra()
         self.predicted_seconds = 0.0  # sums over observed steps, for /metrics
@@ -89,6 +59,14 @@ class Speculation:
         self._steps = 0  # steps the policy chose drafts for
         self._decided_at = 0  # `_steps` at the last decision
 
+    @property
+    def instance(self) -> InstanceAcceptance:
+        return self.acceptance.instance
+
+    @property
+    def requests(self) -> SlotAcceptance:
+        return self.acceptance.requests
+
     def choose(self, plan: SchedulePlan) -> np.ndarray:
         """[B] drafts each row proposes this step; sets each request's next window."""
         for request in plan.inserts:
@@ -105,7 +83,7 @@ class Speculation:
             drafts = caps if self.forced is None else np.minimum(caps, self.forced)
         depth = int(drafts.max(initial=0))
         if self.adaptive and depth == 0:
-            self.instance.fade(FADE)
+            self.acceptance.drafted_nothing()
         for row, k in zip(plan.rows, drafts.tolist()):
             row.request.num_drafts = k
             row.request.mtp_depth = min(row.request.mtp_depth, depth)
@@ -119,8 +97,7 @@ class Speculation:
 
         NOTE: the profile's steps had taught the extra of steps with a prompt chunk -6.4 ms at 16 rows,
         which a running mean of serving's steps would take ~500 steps to forget."""
-        self.instance = InstanceAcceptance(self.max_drafts, decay=self.instance.decay)
-        self.requests.reset(np.arange(self.requests.counts.shape[0]))
+        self.acceptance.forget()
         self.rows_by_drafts[:] = 0
         self.extra = ServingExtra()
         self.hopes = Hopes()
@@ -159,36 +136,8 @@ class Speculation:
                         complete: np.ndarray) -> None:
         """A step's verified windows [R]: their slots, drafts, drafts accepted, and the MTP depths their
         requests ran in every step (`Request.mtp_depth`)."""
-        if not self.adaptive or not slots.size:
-            return
-        if slots.size <= FEW_ROWS:
-            self._observe_few(slots.tolist(), num_drafts.tolist(), num_accepted.tolist(), complete.tolist())
-            return
-        # NOTE: a window of no drafts adds nothing to either estimate (its counts are 0), so none is filtered out
-        windows = window_table(self.max_drafts)[num_drafts, num_accepted]  # [R, 2, K]
-        self.requests.add(slots, windows)
-        # NOTE: the instance's estimate is every new request's prior: only drafts made over a complete
-        # MTP context teach it, or a busy spell (little drafting, gaps) would lower it for the quiet
-        # one after it; the others can only raise it (InstanceAcceptance)
-        whole = below(self.max_drafts)[np.minimum(complete, self.max_drafts)]  # [R, K]
-        drafted = num_drafts > 0
-        self.instance.add(windows, whole, int((drafted & (complete > 0)).sum()), int(drafted.sum()))
-
-    def _observe_few(self, slots: list[int], num_drafts: list[int], num_accepted: list[int],
-                     complete: list[int]) -> None:
-        """`observe_windows` row by row, for a step of a few rows: the same counts."""
-        # NOTE: what the instance learns of a window is its complete depths: the table's window of at most
-        # as many drafts and accepted drafts as those depths
-        whole, every = [], []
-        for slot, drafts, accepted, depths in zip(slots, num_drafts, num_accepted, complete):
-            if not drafts:
-                continue
-            self.requests.add_window(slot, drafts, accepted)
-            every.append((drafts, accepted))
-            if depths > 0:
-                whole.append((min(drafts, depths), min(accepted, depths)))
-        if every:
-            self.instance.add_each(whole, every)
+        if self.adaptive and slots.size:
+            self.acceptance.observe_windows(slots, num_drafts, num_accepted, complete)
 
     def _prefill_cost(self, decode: StepLoad, num_emitting: int) -> float:
         """Seconds a prompt token adds to a decode step like `decode` (`num_emitting` rows emit): a typical
@@ -275,12 +224,11 @@ class Speculation:
         rates = self.requests.rates(slots[emits], prior)
         loads = [decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
         gain = expected_tokens(rates)
-        emitting = np.arange(len(caps_e))
 
         def prompts(depth: int) -> float:
             """The prompts' share of a step at this depth: each emitted token brings the traffic's prompt
             tokens per token emitted, and the depths run over those as well."""
-            tokens = float(gain[emitting, np.maximum(np.minimum(caps_e, depth), floors)].sum())
+            tokens = step_tokens(gain, caps_e, floors, depth)
             return tokens * self.traffic.prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
 
         def extra(depth: int) -> float:
@@ -297,13 +245,12 @@ class Speculation:
         depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
         sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
         if self.trace is not None:
-            self._trace_decision(self.trace, depth if sought is None else sought, gain, caps_e, floors,
-                                 (period, prompts, extra))
+            self.trace.decision(len(caps_e), depth if sought is None else sought, range(self.max_drafts + 1),
+                                (lambda d: step_tokens(gain, caps_e, floors, d), period, prompts, extra))
         if sought is not None:
             drafts[emits] = self._seek_price(len(caps_e), sought, caps_e, floors)
             return drafts
-        full = np.maximum(np.minimum(caps_e, depth), floors)
-        step_rate = float(gain[emitting, full].sum()) / max(period(depth), 1e-9)
+        step_rate = step_tokens(gain, caps_e, floors, depth) / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(loads[depth])
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
@@ -313,8 +260,9 @@ class Speculation:
         # depth for every row: 2% of steps at four streams.
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
-        self._fade_idle(slots[emits], drafts[emits])
-        self._fade_doubted(slots[emits], drafts[emits], rates, prior)
+        self.acceptance.fade_idle(slots[emits], drafts[emits])
+        steps, self._decided_at = self._steps - self._decided_at, self._steps
+        self.acceptance.fade_doubted(slots[emits], drafts[emits], rates, prior, steps)
         self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
 
@@ -327,15 +275,6 @@ class Speculation:
             length = max(length, hold_length(self._by_rows.get(num_emitting), depth, num_emitting, clear))
         self._held = self._by_rows[num_emitting] = Hold(num_emitting, 0 if hoping else length - 1, depth,
                                                         slot_cost, length, at=self._steps)
-
-    def _trace_decision(self, trace: StepTrace, depth: int, gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
-                        parts: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]]) -> None:
-        """A decision's `#d` line: per depth, the expected tokens, and the priced period and its parts
-        (`parts`: the period, the prompts' share of it, what serving adds to it)."""
-        depths, rows = range(self.max_drafts + 1), np.arange(len(caps))
-        tokens = [float(gain[rows, np.maximum(np.minimum(caps, d), floors)].sum()) for d in depths]
-        period, prompts, extra = ([part(d) for d in depths] for part in parts)
-        trace.decision(len(caps), depth, tokens, period, prompts, extra)
 
     def _held_drafts(self, held: Hold, slots: np.ndarray, caps: np.ndarray, floors: np.ndarray) -> np.ndarray:
         """The emitting rows' drafts (slots, caps, floors: theirs) at a held decision's depth and slot cost."""
@@ -353,35 +292,9 @@ class Speculation:
         self._held = Hold(num_emitting, ServingExtra.MIN_SAMPLES - 1, depth, 0.0, ServingExtra.MIN_SAMPLES)
         return np.maximum(np.minimum(caps, depth), floors)
 
-    def _fade_idle(self, slots: np.ndarray, drafts: np.ndarray) -> None:
-        """The requests given no drafts (but hopeful ones) drift back towards the instance (REQUEST_FADE)."""
-        idle = slots[(drafts == 0) & ~self.requests.hopeful[slots]]
-        if idle.size:
-            self.requests.fade(idle, REQUEST_FADE)
-
-    def _fade_doubted(self, slots: np.ndarray, drafts: np.ndarray, rates: np.ndarray, prior: np.ndarray) -> None:
-        """The depths beyond each row's drafts [R] where its request's estimate (`rates` [R, K]) is below the
-        instance's (`prior`) drift back towards it by the request's decay for each step since the last
-        decision (REQUEST_FADE's second note).
-
-        NOTE: by steps, not decisions: at one row a decision holds for up to MAX_HOLD_STEPS, and a 128-token
-        request sees two or three. A request that came after the last decision is faded by steps it did not
-        run; its own evidence is that young, so it loses it a little faster."""
-        steps, self._decided_at = self._steps - self._decided_at, self._steps
-        doubted = (np.arange(self.max_drafts) >= drafts[:, None]) & (rates < prior)
-        if steps and doubted.any():
-            self.requests.fade_depths(slots, doubted, self.requests.decay ** steps)
-
     def _cap(self, request: Request) -> int:
         cap = request.params.max_draft_tokens
         return self.max_drafts if cap is None else min(cap, self.max_drafts)
-
-
-class Prediction(NamedTuple):
-    """The cost model's figures for a finished step, before it learnt from it (seconds)."""
-
-    device: float  # the device's time on a quiet host (the start-up profile's curves)
-    period: float  # the period: that time plus what serving adds at its rows
 
 
 def _is_seeded_sample(request: Request) -> bool:

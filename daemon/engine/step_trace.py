@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from mtpserve.engine.spec_cost import StepLoad
@@ -28,6 +29,9 @@ TRACE_ENV = "MTP_STEP_TRACE"
 SCHEDULE_ENV = "MTP_DEPTH_SCHEDULE"
 COLUMNS = ("time", "tokens", "rows", "emitting", "depth", "prefill", "context", "period_ms", "target_ms",
            "draft_ms", "quiet_ms", "predicted_ms", "emitted")
+# NOTE: a decision's figures as functions of the depth: the expected tokens, the priced period, the prompts'
+# share of it and what serving adds to it
+Prices = tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float], Callable[[int], float]]
 
 
 class StepTrace:
@@ -46,9 +50,9 @@ class StepTrace:
     def flush(self) -> None:
         self._out.flush()
 
-    def decision(self, num_emitting: int, depth: int, tokens: list[float], periods: list[float],
-                 prompts: list[float], extras: list[float]) -> None:
+    def decision(self, num_emitting: int, depth: int, depths: range, prices: Prices) -> None:
         """Per depth: expected tokens / priced period / the prompts' share of it / what serving adds (ms)."""
+        tokens, periods, prompts, extras = ([price(d) for d in depths] for price in prices)
         figures = " ".join(f"{t:.1f}/{p * 1e3:.2f}/{q * 1e3:.2f}/{e * 1e3:.2f}"
                            for t, p, q, e in zip(tokens, periods, prompts, extras))
         self._out.write(f"#d {time.monotonic():.4f} {num_emitting} {depth} {figures}\n")

@@ -3,7 +3,7 @@ instance's, and the same counts whichever form a step's learning takes."""
 
 import numpy as np
 
-from mtpserve.engine import speculation
+from mtpserve.engine import spec_learning
 from mtpserve.engine.spec_stats import DepthAcceptance, SlotAcceptance
 from mtpserve.engine.speculation import Speculation
 from spec_rows import K
@@ -77,14 +77,14 @@ def test_a_step_of_a_few_rows_learns_as_a_whole_step_would(monkeypatch):
     rng = np.random.default_rng(7)
     steps = []
     for _ in range(300):
-        rows = int(rng.integers(1, speculation.FEW_ROWS + 1))
+        rows = int(rng.integers(1, spec_learning.FEW_ROWS + 1))
         drafts = rng.integers(0, K + 1, rows)
         steps.append((rng.choice(6, rows, replace=False), drafts, rng.integers(0, drafts + 1),
                       rng.integers(0, K + 1, rows)))
     few, whole = Speculation(K, adaptive=True, num_slots=6), Speculation(K, adaptive=True, num_slots=6)
     for step in steps:
         few.observe_windows(*step)
-    monkeypatch.setattr(speculation, "FEW_ROWS", 0)
+    monkeypatch.setattr(spec_learning, "FEW_ROWS", 0)
     for step in steps:
         whole.observe_windows(*step)
     assert few.requests.counts.sum() > 0 and few.instance.whole.counts.sum() > 0
