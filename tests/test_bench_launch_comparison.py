@@ -151,3 +151,20 @@ def test_a_visit_with_failed_requests_is_left_out_of_the_medians_and_the_pairs(t
     table = format_comparison(list(rows.values()))
     assert "left out: round 1" in table and "left out: round 1, 2" in table
     assert plot_launched(list(rows.values()), tmp_path / "launched.png") is not None
+
+
+def test_a_launch_entrys_leading_assignments_set_its_instances_environment(tmp_path):
+    """'LABEL=NAME=VALUE ... flags': the words before the first flag set that instance's environment (another
+    tree's package, a debug trace), the rest are its flags; a NAME=VALUE after a flag stays a flag."""
+    import sys
+
+    from mtpserve.bench.serve_launch import instance_environment, popen_logged
+
+    env, args = instance_environment(["MTP_T=/tmp/t", "PYTHONPATH=", "--num-speculative-tokens", "3", "A=B"])
+    assert args == ["--num-speculative-tokens", "3", "A=B"]
+    assert env is not None and env["MTP_T"] == "/tmp/t" and env["PYTHONPATH"] == "" and "PATH" in env
+    assert instance_environment(["--port", "1"]) == (None, ["--port", "1"])
+    log = tmp_path / "child.log"
+    child = popen_logged([sys.executable, "-c", "import os; print(os.environ['MTP_T'], repr(os.environ['PYTHONPATH']))"],
+                         log, env)
+    assert child.wait() == 0 and log.read_text().split() == ["/tmp/t", "''"]

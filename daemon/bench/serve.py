@@ -98,7 +98,9 @@ def _add_side_by_side(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", nargs="+", default=None, metavar="LABEL=FLAGS",
                    help="start one `mtpserve serve` per entry with these flags (instead of --base-url) and "
                    "visit them in turn at every level, e.g. 'k0=--num-speculative-tokens 0' "
-                   "'adaptive=--num-speculative-tokens 3'; prints each one's throughput ratios")
+                   "'adaptive=--num-speculative-tokens 3'; prints each one's throughput ratios. Leading "
+                   "NAME=VALUE words set that instance's environment, e.g. 'old=PYTHONPATH=/tmp/old "
+                   "--num-speculative-tokens 3'")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --launch: visit every instance this many times per level; the comparison takes "
                    "each one's median output tok/s (the machine's drift lands on every configuration)")

@@ -5,6 +5,8 @@ minute of the machine lands on all of them alike.
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import socket
 import statistics
@@ -30,12 +32,15 @@ class Instance:
     @classmethod
     def start(cls, spec: str, log_path: Path | None = None) -> Instance:
         """spec: "LABEL=serve flags", e.g. "k0=--num-speculative-tokens 0 --speculative-adaptive false";
-        log_path: the instance's output is appended there (default: this process's)."""
+        leading NAME=VALUE words set that instance's environment, e.g. "traced=MTP_STEP_TRACE=/tmp/t
+        --num-speculative-tokens 3" (another tree's package: PYTHONPATH=...); log_path: the instance's
+        output is appended there (default: this process's)."""
         label, _, flags = spec.partition("=")
+        env, args = instance_environment(shlex.split(flags))
         port, name = _free_port(), f"bench-{label}-{uuid.uuid4().hex[:6]}"
         argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance", name,
-                "--log-level", "warning", *shlex.split(flags)]
-        return cls(label, f"http://127.0.0.1:{port}", popen_logged(argv, log_path), name)
+                "--log-level", "warning", *args]
+        return cls(label, f"http://127.0.0.1:{port}", popen_logged(argv, log_path, env), name)
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -63,12 +68,25 @@ class Instance:
             return False
 
 
-def popen_logged(argv: list[str], log_path: Path | None) -> subprocess.Popen:
-    """Start `argv` with its stdout and stderr appended to `log_path` (None: inherited)."""
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def instance_environment(words: list[str]) -> tuple[dict[str, str] | None, list[str]]:
+    """The environment of an instance whose flags start with NAME=VALUE words (this process's, with those
+    set; None if there are none), and its flags without them."""
+    count = next((i for i, word in enumerate(words) if not _ASSIGNMENT.match(word)), len(words))
+    if not count:
+        return None, words
+    return {**os.environ, **dict(word.split("=", 1) for word in words[:count])}, words[count:]
+
+
+def popen_logged(argv: list[str], log_path: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` (in `env`, None: this process's) with its stdout and stderr appended to `log_path`
+    (None: inherited)."""
     if log_path is None:
-        return subprocess.Popen(argv)
+        return subprocess.Popen(argv, env=env)
     with open(log_path, "ab") as log:  # NOTE: the child holds its own copy of the descriptor
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def start_all(specs: list[str], log_dir: Path | None = None) -> list[Instance]:
