@@ -170,12 +170,12 @@ class ServingExtra:
         samples = min(self._depth_count[own], 2.0 / self.WEIGHT - 1.0)
         return math.sqrt(self._depth_var[own] / samples)
 
-    def borrowed(self, num_emitting: int, depth: int) -> bool:
-        """Whether decode steps at this depth are priced here with a mean the depth before it taught: they
-        have no recent mean of their own at these rows, that depth has, and this depth was not sought here
+    def borrowed(self, num_emitting: int, depth: int, lender: int) -> bool:
+        """Whether decode steps at this depth are priced here with a mean the `lender` depth taught: they
+        have no recent mean of their own at these rows, the lender has, and this depth was not sought here
         (`seek`) within the last STALE_STEPS of the cell's steps."""
         key = (False, self.bucket(num_emitting))
-        if self._has_own((*key, depth)) or not self._has_own((*key, depth - 1)):
+        if self._has_own((*key, depth)) or not self._has_own((*key, lender)):
             return False
         sought = self._sought.get((*key, depth))
         return sought is None or self._count[key] - sought > self.STALE_STEPS

@@ -18,7 +18,10 @@ from mtpserve.engine.spec_policy import worth_pricing
 # per key, which a read from memory hides). Priced with depth 0's extra, depth 1 looked 3% worse and never
 # ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
 # depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
-# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one.
+# (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one. So is a shallower one: at 16 streams on code
+# serving added 1.55 ms to depth 1's decode steps and 0.66 to depth 0's (depths run in turn in one process,
+# the same ~3,700 tokens a second), so depth 0 priced with depth 1's extra looked 28% dearer than its steps
+# were and never ran, where k0 served 5% above k1.
 PRICE_BAND = 0.10
 # NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
 # of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
@@ -29,14 +32,14 @@ DOUBT = 2.0
 def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num_emitting: int,
                    period: Callable[[int], float], added: Callable[[int], float]) -> int | None:
     """A depth next to the chosen `depth` whose price is worth measuring now (`rates`: tokens per second by
-    depth; `period`, `added`: a step's priced seconds by depth, and what serving adds in them): the deeper
-    one, within PRICE_BAND of the chosen one, if its price is borrowed from it (ServingExtra.borrowed);
-    either one, if it was left on a rise and is within the band at what serving added to it before the rise
-    (ServingExtra.suspect); None if neither."""
-    deeper = depth + 1
-    if worth_pricing(rates, depth, PRICE_BAND, deeper) and extra.borrowed(num_emitting, deeper):
-        return deeper
-    for other in (deeper, depth - 1):
+    depth; `period`, `added`: a step's priced seconds by depth, and what serving adds in them): either one,
+    within PRICE_BAND of the chosen one, if its price is borrowed from it (ServingExtra.borrowed), or if it
+    was left on a rise and is within the band at what serving added to it before the rise
+    (ServingExtra.suspect); the deeper first; None if neither."""
+    for other in (depth + 1, depth - 1):
+        if worth_pricing(rates, depth, PRICE_BAND, other) and extra.borrowed(num_emitting, other, depth):
+            return other
+    for other in (depth + 1, depth - 1):
         before = extra.suspect(num_emitting, other)
         if before is None or other not in rates:
             continue

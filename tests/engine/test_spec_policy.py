@@ -354,6 +354,34 @@ def test_a_depth_that_has_run_is_priced_by_what_its_own_steps_took():
     assert spec._depth == 0
 
 
+def test_a_shallower_depth_priced_with_the_depth_in_use_s_extra_is_run_to_price_it():
+    """16 rows at depth 1, where serving adds 0.8 ms to a step; depth 0 has never run here and borrows that,
+    which puts it 9% behind. It is run for a few steps to price it, serving adds 0.2 ms to those, and the
+    policy takes it (8% ahead). Priced only deeper, depth 0 never ran (16 streams on code: k0 served 5%
+    above k1 while the policy kept depth 1)."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    for n, ms in {16: 3.2, 32: 4.8}.items():
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(n, 16, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: 0.025e-3 * n)
+    spec.costs.freeze()
+    one = StepLoad(32, 16, 1, False, 16)
+    for _ in range(200):
+        spec.observe(one, spec.costs.device(one) + 0.8e-3, None)
+    plan = SchedulePlan(tuple(decode_row(i) for i in range(16)), (), (), ())
+    spec.requests.tried[:] = 100.0
+    spec.requests.accepted[:] = 75.0
+    spec._depth = 1
+    decide(spec, plan)
+    assert spec._depth == 1 and spec._held is not None and spec._held.depth == 0  # run to be priced
+    zero = StepLoad(16, 16, 0, False, 16)
+    for _ in range(ServingExtra.MIN_SAMPLES):
+        spec.observe(zero, spec.costs.device(zero) + 0.2e-3, None)
+    spec._held = None
+    decide(spec, plan)
+    assert spec._depth == 0
+
+
 def test_the_traffic_means_start_at_their_first_sample_and_the_profile_leaves_none():
     """A first request of a 256-token prompt and 128 tokens out is the traffic at once (a mean starting at
     0 took ~20 requests to reach it, charging early prompts ~10x); the start-up profile's own prompts are
