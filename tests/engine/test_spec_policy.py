@@ -329,16 +329,23 @@ def test_host_work_per_step_makes_drafting_pay():
     assert spec.measured_seconds > 0 and spec.predicted_seconds > 0
 
 
+def profiled(rows: int, target_ms: dict[int, float], depth_ms_per_token: float) -> Speculation:
+    """A policy whose frozen profile has these rows' target pass take `target_ms` by tokens, and a depth
+    `depth_ms_per_token` a token."""
+    spec = Speculation(K, adaptive=True, num_slots=64)
+    for n, ms in target_ms.items():
+        for _ in range(Curve.MIN_SAMPLES):
+            spec.costs.observe(StepLoad(n, rows, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
+    spec.costs.depth = Curve(prior=lambda n: depth_ms_per_token * 1e-3 * n)
+    spec.costs.freeze()
+    return spec
+
+
 def test_a_depth_that_has_run_is_priced_by_what_its_own_steps_took():
     """Serving adds 1 ms to a depth-0 step of 64 rows and 10 ms to a depth-1 step (a launch whose profile
     priced depth 1 low). Once depth 1 has run, depth 0 is priced with its own 1 ms, not with the 10 ms
     learnt at the depth in use, and the policy goes back to it."""
-    spec = Speculation(K, adaptive=True, num_slots=64)
-    for n, ms in {64: 6.6, 128: 11.3}.items():
-        for _ in range(Curve.MIN_SAMPLES):
-            spec.costs.observe(StepLoad(n, 64, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
-    spec.costs.depth = Curve(prior=lambda n: 0.03e-3 * n)
-    spec.costs.freeze()
+    spec = profiled(64, {64: 6.6, 128: 11.3}, depth_ms_per_token=0.03)
     for depth, tokens, added_ms in ((0, 64, 1.0), (1, 128, 10.0)):
         load = StepLoad(tokens, 64, depth, False, 64)
         for _ in range(200):
@@ -359,12 +366,7 @@ def test_a_shallower_depth_priced_with_the_depth_in_use_s_extra_is_run_to_price_
     which puts it 9% behind. It is run for a few steps to price it, serving adds 0.2 ms to those, and the
     policy takes it (8% ahead). Priced only deeper, depth 0 never ran (16 streams on code: k0 served 5%
     above k1 while the policy kept depth 1)."""
-    spec = Speculation(K, adaptive=True, num_slots=64)
-    for n, ms in {16: 3.2, 32: 4.8}.items():
-        for _ in range(Curve.MIN_SAMPLES):
-            spec.costs.observe(StepLoad(n, 16, 0, False), ms * 1e-3, StepTiming(ms * 1e-3, 0.0))
-    spec.costs.depth = Curve(prior=lambda n: 0.025e-3 * n)
-    spec.costs.freeze()
+    spec = profiled(16, {16: 3.2, 32: 4.8}, depth_ms_per_token=0.025)
     one = StepLoad(32, 16, 1, False, 16)
     for _ in range(200):
         spec.observe(one, spec.costs.device(one) + 0.8e-3, None)
