@@ -19,10 +19,11 @@ from mtpserve.engine.spec_policy import worth_pricing
 # ran; with the depths run in turn in one process, its decode steps emitted 11% more a second. A deeper
 # depth within PRICE_BAND of the depth in use, with no recent price of its own, is run for a few steps
 # (ServingExtra.MIN_SAMPLES) once in STALE_STEPS to get one. So is a shallower one: at 16 streams on code
-# serving adds more to a depth-1 decode step than to a depth-0 one (1.55 against 0.66 ms, the depths run in
-# turn in one process), so depth 0 priced with depth 1's extra looked ~10% worse where k0 served 5% above
-# k1, and an instance that reached depth 1 first kept it for the whole visit (two of three rounds; with the
-# shallower probe, none: 1.02-1.06x the served tokens a second, side by side).
+# serving added more to a depth-1 decode step than to a depth-0 one (1.55 against 0.66 ms over a tried
+# profile's curves, the depths run in turn in one process; docs/benchmarks.md), so depth 0 priced with
+# depth 1's extra looked ~10% worse where k0 served 5% above k1, and an instance that reached depth 1 first
+# kept it for the whole visit (two of three rounds; with the shallower probe, none: 1.02-1.06x the served
+# tokens a second, side by side).
 PRICE_BAND = 0.10
 # NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
 # of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
