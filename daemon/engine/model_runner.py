@@ -29,7 +29,7 @@ from mtpserve.host_tensor import StagedTensors, host_tensor
 from mtpserve.model.attention_context import PagedContext
 from mtpserve.model.forward_batch import ForwardBatch
 from mtpserve.model.kv_cache import KVCache
-from mtpserve.model.serving_model import ServingModel
+from mtpserve.model.serving_model import ServingModel, StepForward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class PaddleModelRunner:
             plain = self._is_plain_greedy(plan.slots)
             index = win.verify_index(plan.is_prefill, plan.verify_width).reshape(-1)
             rows, spread = self._logit_rows(plan, index, plain)
-            out = self.model.forward_step(batch.input_ids, batch.positions, ctx, self._staged.stage("logit_rows", rows))
+            out = self._forward(plan, win, batch, ctx, rows)
             logits = out.logits  # [B*W, V], or [N, V] at the distinct rows when spread is not None
             v = self._decide(plan, logits, out.greedy, plain, spread)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
@@ -143,6 +143,25 @@ class PaddleModelRunner:
             seq_lens_kv=stage("seq_lens_kv", seq_lens_kv.astype(np.int32)),
             block_tables=stage("block_tables", tables.astype(np.int32)),
             max_q_len=int(plan.num_tokens.max()))
+
+    def _forward(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
+                 rows: np.ndarray) -> StepForward:
+        """The main model with the logits at token rows `rows` (ascending, a row's repeats adjacent).
+
+        NOTE: where no MTP depth runs this step, nothing reads the hidden states of rows without logits,
+        so the last block's MLP runs on the distinct logit rows alone: a prompt chunk needs its last
+        position. That is a quarter of the bundled model's MLP work on a chunk, which a depth-0 step
+        spends on prompts that no depth reads."""
+        stage = self._staged.stage
+        if self.proposer is not None and plan.num_depths:
+            return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
+        first = np.ones(rows.shape, bool)
+        first[1:] = rows[1:] != rows[:-1]
+        kept = rows[first]
+        if len(kept) == len(win.token_ids):
+            return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
+        return self.model.forward_step(batch.input_ids, batch.positions, ctx,
+                                       stage("logit_rows", np.cumsum(first) - 1), stage("out_rows", kept))
 
     def _logit_rows(self, plan: StepPlan, index: np.ndarray, plain: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The flat token rows to compute logits at, from the verify rows `index` [B*W]; and, when those

@@ -69,11 +69,11 @@ class FusedBlocks:
         return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, _NO_HEAD, False)[0]
 
     def last_block(self, blk: DenseBlock, x: paddle.Tensor, layer: int, final_norm: paddle.Tensor,
-                   head: HeadPanels) -> list[paddle.Tensor]:
+                   head: HeadPanels, out_rows: paddle.Tensor | None = None) -> list[paddle.Tensor]:
         """A model's last block with its final norm and head in the same call: x [T, H] -> the op's
-        outputs: [0] the block's output [T, H], [1] it normalised by final_norm, [2] the head's argmax
-        ids [M] and [3] its logits [M, V'] at `head.rows`."""
-        return self._call(blk, x, layer, None, (None, None, None, None, final_norm), head, False)
+        outputs: [0] the block's output [T, H] (or [N, H] at out_rows, as `block`), [1] it normalised by
+        final_norm, [2] the head's argmax ids [M] and [3] its logits [M, V'] at `head.rows` of [1]."""
+        return self._call(blk, x, layer, out_rows, (None, None, None, None, final_norm), head, False)
 
     def mtp_depth(self, mtp: MTPLayer, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, layer: int,
                   out_rows: paddle.Tensor | None, zero_position_zero: bool,

@@ -53,10 +53,14 @@ class LogitModel(Protocol):
 
 
 def compose_forward_step(model: LogitModel, input_ids: paddle.Tensor, positions: paddle.Tensor,
-                         ctx: AttentionContext, logit_rows: paddle.Tensor) -> StepForward:
+                         ctx: AttentionContext, logit_rows: paddle.Tensor,
+                         out_rows: paddle.Tensor | None = None) -> StepForward:
     """The main model, then the rows wanted and the head, as separate calls."""
     out = model.run(input_ids, positions, ctx)
-    return StepForward(out.mtp_hidden, model.compute_logits(paddle.gather(out.hidden_states, logit_rows)), None)
+    hidden, mtp_hidden = out.hidden_states, out.mtp_hidden
+    if out_rows is not None:
+        hidden, mtp_hidden = paddle.gather(hidden, out_rows), paddle.gather(mtp_hidden, out_rows)
+    return StepForward(mtp_hidden, model.compute_logits(paddle.gather(hidden, logit_rows)), None)
 
 
 class DraftOutput(NamedTuple):
@@ -88,8 +92,8 @@ class ComposedStep:
     (the ServingModel contract; MiMo runs them in its block calls where the op serves)."""
 
     def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
-                     logit_rows: paddle.Tensor) -> StepForward:
-        return compose_forward_step(cast(LogitModel, self), input_ids, positions, ctx, logit_rows)
+                     logit_rows: paddle.Tensor, out_rows: paddle.Tensor | None = None) -> StepForward:
+        return compose_forward_step(cast(LogitModel, self), input_ids, positions, ctx, logit_rows, out_rows)
 
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,
                     ctx: AttentionContext, out_rows: paddle.Tensor | None = None,
@@ -192,18 +196,20 @@ class MiMoForCausalLM(ServingModelLayer):
         return paddle.argmax(self.compute_logits(hidden_states), axis=-1)
 
     def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
-                     logit_rows: paddle.Tensor) -> StepForward:
+                     logit_rows: paddle.Tensor, out_rows: paddle.Tensor | None = None) -> StepForward:
         """`run`, then the raw logits (and where the layer op serves, their argmax) of token rows
-        logit_rows [N].
+        logit_rows [N]. With out_rows [N'] (increasing token rows), only those rows' outputs are wanted:
+        mtp_hidden is [N', H] and logit_rows index into out_rows.
 
         NOTE: where the layer op serves, the final norm and the LM head run inside the last block's call
-        (as a draft depth's head does, draft_depth says why)."""
+        (as a draft depth's head does, draft_depth says why), and with out_rows the last block's MLP runs
+        on those rows alone: a prompt chunk no MTP depth reads needs its last position only."""
         head = self.lm_head.serving.panels
         first = self.model.layers[0]
         assert isinstance(first, DecoderLayer)
         fused = None if head is None else FusedBlocks.of(ctx, self.rotary, first, self.tp.size)
         if head is None or fused is None:
-            return compose_forward_step(self, input_ids, positions, ctx, logit_rows)
+            return compose_forward_step(self, input_ids, positions, ctx, logit_rows, out_rows)
         x = self.model.embed_tokens(input_ids)  # [T, H]
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -211,7 +217,7 @@ class MiMoForCausalLM(ServingModelLayer):
             if i < last:
                 x = fused.block(layer, x, i)
                 continue
-            out = fused.last_block(layer, x, i, self.model.norm.weight, HeadPanels(head, None, logit_rows))
+            out = fused.last_block(layer, x, i, self.model.norm.weight, HeadPanels(head, None, logit_rows), out_rows)
             return StepForward(out[1] if self.config.mtp_hidden_after_norm else out[0], out[3], out[2])
         raise ValueError("a model without layers")
 

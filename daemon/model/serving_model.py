@@ -57,9 +57,11 @@ class ServingModel(Protocol):
                 out_rows: paddle.Tensor | None = None) -> MTPOutput: ...
 
     def forward_step(self, input_ids: paddle.Tensor, positions: paddle.Tensor, ctx: AttentionContext,
-                     logit_rows: paddle.Tensor) -> StepForward:
+                     logit_rows: paddle.Tensor, out_rows: paddle.Tensor | None = None) -> StepForward:
         """`run`, then the raw logits [N, V] of token rows logit_rows [N] (and their argmax, where it
-        comes at no extra call)."""
+        comes at no extra call). With out_rows [N'] (increasing token rows) only those rows' outputs are
+        wanted: mtp_hidden is [N', H], logit_rows index into out_rows, and the model may skip work for
+        the other rows (their KV is still written)."""
         ...
 
     def draft_depth(self, index: int, token_ids: paddle.Tensor, prev_hidden: paddle.Tensor, positions: paddle.Tensor,

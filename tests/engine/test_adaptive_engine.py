@@ -34,7 +34,7 @@ def saturated_device(core: EngineCore) -> None:
     step is mostly fixed cost, and not for eight. Frozen, so where the switch falls does not depend on
     how fast this machine runs the tiny model."""
     costs = core.speculation.costs
-    for curve in (costs.decode, costs.mixed):
+    for curve in (costs.decode, costs.mixed, costs.mixed_alone):
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
             for _ in range(Curve.MIN_SAMPLES):
                 curve.observe(n, 2e-3 + 1e-3 * n)

@@ -212,8 +212,10 @@ def steady(periods_ms: list[float], rows: int, acceptance: float, current: int =
         per_token = (periods_ms[1] - periods_ms[0]) * 1e-3 / rows
         for n in range(rows, rows * (K + 1) + 512, 8):
             for _ in range(Curve.MIN_SAMPLES):
-                spec.costs.mixed.observe(n, np.interp(n, [rows * (d + 1) for d in range(K + 1)], periods_ms) * 1e-3
-                                         if n <= rows * (K + 1) else periods_ms[-1] * 1e-3 + per_token * (n - rows * (K + 1)))
+                seconds = (np.interp(n, [rows * (d + 1) for d in range(K + 1)], periods_ms) * 1e-3
+                           if n <= rows * (K + 1) else periods_ms[-1] * 1e-3 + per_token * (n - rows * (K + 1)))
+                spec.costs.mixed.observe(n, seconds)
+                spec.costs.mixed_alone.observe(n, seconds)
                 spec.costs.depth.observe(n, 0.3 * per_token * n)
         spec.traffic.chunk_tokens = 256.0
         for _ in range(100):  # finished requests of 128 tokens, each with its prompt

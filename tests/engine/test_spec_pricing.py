@@ -275,6 +275,24 @@ def test_a_prompt_chunk_is_priced_per_number_of_depths_as_measured():
     assert three == pytest.approx(3 * 4e-6 * 256)  # never measured: three decode depths
 
 
+def test_a_prompt_chunk_s_target_pass_is_priced_apart_with_a_depth_and_without():
+    """A device whose prompt chunks take 30 us a token in the target pass where a depth reads every
+    position's hidden state and 25 us where none runs (the last block's MLP at the logit rows alone):
+    each kind of step is priced with its own samples; before any depth-0 chunk is measured, with the
+    other kind's."""
+    costs = StepCosts()
+    for n in (64, 256, 512):
+        for _ in range(Curve.MIN_SAMPLES):
+            costs.observe(StepLoad(n, 1, 1, True), 0.0, StepTiming(30e-6 * n, 1e-6 * n))
+    assert costs.device(StepLoad(256, 1, 0, True)) == pytest.approx(30e-6 * 256)
+    for n in (64, 256, 512):
+        for _ in range(Curve.MIN_SAMPLES):
+            costs.observe(StepLoad(n, 1, 0, True), 0.0, StepTiming(25e-6 * n, 0.0))
+    costs.freeze()
+    assert costs.device(StepLoad(256, 1, 0, True)) == pytest.approx(25e-6 * 256)
+    assert costs.device(StepLoad(256, 1, 1, True)) == pytest.approx(31e-6 * 256)
+
+
 def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decode_steps():
     """Measured at 16 streams on code: serving's decode steps took 1.4 ms more than the profile's curves,
     its steps with a prompt chunk 2.5 ms less (the profile's prefills have no decode rows beside them).

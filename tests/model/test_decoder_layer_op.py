@@ -306,3 +306,39 @@ def test_the_last_block_with_the_lm_head_in_its_call_gives_the_logits_of_separat
     np.testing.assert_array_equal(one.logits.numpy(), apart.logits.numpy())
     np.testing.assert_array_equal(one.greedy.numpy(), apart.logits.numpy().argmax(-1))
     np.testing.assert_array_equal(one.mtp_hidden.numpy(), apart.mtp_hidden.numpy())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_that_wants_some_rows_gives_their_logits_and_hidden_as_a_whole_step(fused, monkeypatch):
+    """forward_step with out_rows (the last block's MLP on those rows alone where the op serves, gathers
+    in separate calls) against the whole step: bit-equal logits at the same token rows and the same
+    hidden at out_rows, while every token's KV is still written (the next step reads it)."""
+    model = make_model(13, **PACKED, vocab_size=128)
+    c = model.config
+    ids = np.random.default_rng(14).integers(1, c.vocab_size, 11)
+    batch = pack([Window(ids=ids[:7].tolist(), start=0, blocks=[0, 1]), Window(ids=ids[7:].tolist(), start=0, blocks=[2])],
+                 block_size=4, max_blocks=2)
+    kept = np.array([3, 6, 10], np.int64)  # NOTE: a row the logits do not read (3) is kept as well
+    logit_rows = np.array([6, 10, 10], np.int64)
+
+    def step(out_rows):
+        kv = model.allocate_kv(c.num_hidden_layers, 8, 4)
+        ctx = PagedContext(batch, kv)
+        with monkeypatch.context() as patched:
+            if fused:  # NOTE: the one-call path may not fall back to separate calls
+                patched.setattr(mimo_model, "compose_forward_step", None)
+            else:
+                patched.setattr(fused_layer, "available", lambda: False)
+            if out_rows is None:
+                out = model.forward_step(batch.input_ids, batch.positions, ctx, paddle.to_tensor(logit_rows))
+            else:
+                places = paddle.to_tensor(np.searchsorted(kept, logit_rows))
+                out = model.forward_step(batch.input_ids, batch.positions, ctx, places, paddle.to_tensor(out_rows))
+        return out, np.concatenate([kv.k[i].numpy() for i in range(c.num_hidden_layers)])
+
+    whole, whole_kv = step(None)
+    some, some_kv = step(kept)
+    assert some.logits.shape == [3, 128] and some.mtp_hidden.shape == [3, c.hidden_size]
+    np.testing.assert_array_equal(some.logits.numpy(), whole.logits.numpy())
+    np.testing.assert_array_equal(some.mtp_hidden.numpy(), whole.mtp_hidden.numpy()[kept])
+    np.testing.assert_array_equal(some_kv, whole_kv)
