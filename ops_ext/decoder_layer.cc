@@ -160,6 +160,29 @@ std::vector<paddle::Tensor> Head(const paddle::Tensor& normed, const OptTensor& 
   return {out, logits};
 }
 
+// The attention batch of the kept tokens `keep` [rows] (increasing) alone: their queries moved down to the first
+// rows of `qkv` (its other rows' K/V are in the cache already), their positions, and each request's share of
+// them; the keys are the batch's.
+mtp::AttentionBatch KeptQueries(const mtp::AttentionBatch& batch, const int64_t* keep, int64_t rows,
+                                int64_t qkv_width, std::vector<int32_t>& cu, std::vector<int64_t>& positions,
+                                std::vector<float>& qkv) {
+  cu.assign(static_cast<size_t>(batch.num_seqs + 1), 0);
+  positions.resize(static_cast<size_t>(rows));
+  int64_t b = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = keep[r];
+    while (b < batch.num_seqs && t >= batch.cu_seqlens_q[b + 1]) cu[static_cast<size_t>(++b)] = static_cast<int32_t>(r);
+    positions[static_cast<size_t>(r)] = batch.positions[t];
+    if (t != r) std::memmove(qkv.data() + r * qkv_width, qkv.data() + t * qkv_width, sizeof(float) * qkv_width);
+  }
+  while (b < batch.num_seqs) cu[static_cast<size_t>(++b)] = static_cast<int32_t>(rows);
+  mtp::AttentionBatch kept = batch;
+  kept.tokens = rows;
+  kept.cu_seqlens_q = cu.data();
+  kept.positions = positions.data();
+  return kept;
+}
+
 std::vector<paddle::Tensor> DecoderLayer(
     const paddle::Tensor& x, const paddle::Tensor& input_norm, const paddle::Tensor& qkv_panels,
     const OptTensor& qkv_bias, const paddle::Tensor& o_panels, const paddle::Tensor& post_norm,
@@ -267,16 +290,23 @@ std::vector<paddle::Tensor> DecoderLayer(
     mtp::StoreRow(k_cache.data(), cache.half, slots[t] * kv_row, kt, kv_row);
     mtp::StoreRow(v_cache.data(), cache.half, slots[t] * kv_row, kt + kv_row, kv_row);
   }
-  mtp::PagedAttend(batch, cache);
+  //    NOTE: with out_rows only the wanted rows' queries attend: the others' outputs feed nothing but the
+  //    rows dropped below (a prompt chunk's last block, or an MTP depth over a prompt, wants its frontier)
+  thread_local std::vector<int32_t> kept_cu;
+  thread_local std::vector<int64_t> kept_positions;
+  const mtp::AttentionBatch attending = keep == nullptr ? batch : KeptQueries(batch, keep, rows, s.qkv_width,
+                                                                               kept_cu, kept_positions, qkv_out);
+  mtp::PagedAttend(attending, cache);
 
-  // 3. the attention residual h = x + attn @ o, then only the wanted rows
+  // 3. the attention residual h = x + attn @ o of the wanted rows
   std::vector<float>& h = qkv_out;  // NOTE: q/k/v are spent; reuse the buffer for the residual stream
   h.resize(static_cast<size_t>(s.tokens * s.hidden));
-  Multiply(attn.data(), s.tokens, o, nullptr, h.data());
-  AddInto(h.data(), xd, s.tokens * s.hidden);
-  if (keep != nullptr)
-    for (int64_t r = 0; r < rows; ++r)
-      std::memmove(h.data() + r * s.hidden, h.data() + keep[r] * s.hidden, sizeof(float) * s.hidden);
+  Multiply(attn.data(), rows, o, nullptr, h.data());
+  if (keep == nullptr) {
+    AddInto(h.data(), xd, s.tokens * s.hidden);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) AddInto(h.data() + r * s.hidden, xd + keep[r] * s.hidden, s.hidden);
+  }
   // 4. the MLP residual: out = h + (silu(h' @ gate) * (h' @ up)) @ down, h' = norm(h)
   mtp::RmsNormRows(h.data(), norm2, normed.data(), rows, s.hidden, eps);
   gate_up_out.resize(static_cast<size_t>(rows * 2 * s.inter));
