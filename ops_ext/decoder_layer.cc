@@ -21,7 +21,8 @@
 //   k_cache, v_cache [S, KVH, D] float32 or float16: written in place (outputs k_out, v_out), rounded to
 //                   the cache's dtype
 //   block_tables, cu_seqlens_q, seq_lens_kv: as mtp_paged_attention takes them
-//   out_rows        [N] int64 or absent: only these tokens' outputs are wanted (the MLP runs on them alone)
+//   out_rows        [N] int64 (increasing) or absent: only these tokens' outputs are wanted (their queries alone
+//                   attend, and o_proj and the MLP run on them alone; every token's K/V is written)
 //   An MTP layer's block also takes its input stage, so that a draft depth is one call too:
 //   token_ids       [T] int64: x is then the previous depth's hidden, and the block's input is
 //                   norm(x; hidden_norm) @ hidden_panels + token_table[token_ids] (the token half of

@@ -176,8 +176,8 @@ class StepCosts:
     def __init__(self) -> None:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps
         self.mixed = Curve(_target_prior)  # target(N) of steps with a prefill chunk and a depth
-        # NOTE: and without one: the last block runs its MLP at the logit rows alone (model_runner._forward),
-        # ~15% less target time for a 256-320 token chunk of the bundled model. One curve for both priced a
+        # NOTE: and without one: the last block attends and runs its MLP for the logit rows alone
+        # (model_runner._forward), ~20% less target time for a 256-320 token chunk of the bundled model. One curve for both priced a
         # depth's prompt chunks with depth 0's (20.4 ms profiled, 23.4 measured, 16 streams on code), and
         # the policy ran depth 1 for 97% of rows where depth 0 served 14% more.
         self.mixed_alone = Curve(lambda n: self.mixed(n))

@@ -65,7 +65,8 @@ class FusedBlocks:
     def block(self, blk: DenseBlock, x: paddle.Tensor, layer: int,
               out_rows: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [T, H] -> the block's output [T, H] (or [N, H] for out_rows [N], increasing token indices:
-        every token's K/V is written, the MLP runs on those rows only)."""
+        every token's K/V is written, and only those rows' queries attend and go through o_proj and the
+        MLP)."""
         return self._call(blk, x, layer, out_rows, _NO_MTP_INPUT, _NO_HEAD, False)[0]
 
     def last_block(self, blk: DenseBlock, x: paddle.Tensor, layer: int, final_norm: paddle.Tensor,

@@ -202,8 +202,8 @@ class MiMoForCausalLM(ServingModelLayer):
         mtp_hidden is [N', H] and logit_rows index into out_rows.
 
         NOTE: where the layer op serves, the final norm and the LM head run inside the last block's call
-        (as a draft depth's head does, draft_depth says why), and with out_rows the last block's MLP runs
-        on those rows alone: a prompt chunk no MTP depth reads needs its last position only."""
+        (as a draft depth's head does, draft_depth says why), and with out_rows the last block attends and
+        runs its MLP for those rows alone: a prompt chunk no MTP depth reads needs its last position only."""
         head = self.lm_head.serving.panels
         first = self.model.layers[0]
         assert isinstance(first, DecoderLayer)
