@@ -154,8 +154,7 @@ class PaddleModelRunner:
         stage = self._staged.stage
         if self.proposer is not None and plan.num_depths:
             return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
-        first = np.ones(rows.shape, bool)
-        first[1:] = rows[1:] != rows[:-1]
+        first = run_starts(rows)
         kept = rows[first]
         if len(kept) == len(win.token_ids):
             return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
@@ -173,8 +172,7 @@ class PaddleModelRunner:
         the cost model (profiled at uniform depths) did not know mixing costs."""
         if not plain or (self.sampling.num_logprobs[plan.slots] >= 0).any():
             return index, None
-        first = np.ones(index.shape, bool)
-        first[1:] = index[1:] != index[:-1]  # NOTE: rows are ascending, a row's repeats adjacent
+        first = run_starts(index)
         if first.all():
             return index, None
         return index[first], np.cumsum(first) - 1
@@ -269,3 +267,10 @@ def _depth_cache(num_mtp_layers: int, kv_args: tuple) -> KVCache:
 
 def _one_layer_for_all(one: KVCache, num_mtp_layers: int) -> KVCache:
     return dataclasses.replace(one, k=one.k * num_mtp_layers, v=one.v * num_mtp_layers)
+
+
+def run_starts(rows: np.ndarray) -> np.ndarray:
+    """Where each run of equal rows starts (rows ascending, a row's repeats adjacent): [len(rows)] bool."""
+    first = np.ones(rows.shape, bool)
+    first[1:] = rows[1:] != rows[:-1]
+    return first

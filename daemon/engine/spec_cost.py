@@ -177,9 +177,10 @@ class StepCosts:
         self.decode = Curve(_target_prior)  # target(N) of decode-only steps
         self.mixed = Curve(_target_prior)  # target(N) of steps with a prefill chunk and a depth
         # NOTE: and without one: the last block attends and runs its MLP for the logit rows alone
-        # (model_runner._forward), ~20% less target time for a 256-320 token chunk of the bundled model. One curve for both priced a
-        # depth's prompt chunks with depth 0's (20.4 ms profiled, 23.4 measured, 16 streams on code), and
-        # the policy ran depth 1 for 97% of rows where depth 0 served 14% more.
+        # (model_runner._forward), ~20% less target time for a 256-320 token chunk of the bundled model.
+        # One curve for both priced a depth's prompt chunks with depth 0's (20.4 ms profiled, 23.4
+        # measured, 16 streams on code), and the policy ran depth 1 for 97% of rows where depth 0 served
+        # 14% more.
         self.mixed_alone = Curve(lambda n: self.mixed(n))
         self.depth = Curve(_depth_prior)  # depth(N) of decode-only steps
         self._mixed_drafts: dict[int, Curve] = {}  # drafts_D(N) of steps with a prefill chunk, by D
