@@ -125,7 +125,8 @@ class Speculation:
         self.measured_seconds += seconds
         self.costs.observe(load, seconds, timing)
         if load.num_emitting:
-            self.extra.observe(load.num_emitting, seconds, device, load.has_prefill, load.depth)
+            thread = None if timing is None else timing.target_seconds + timing.draft_seconds
+            self.extra.observe(load.num_emitting, seconds, device, load.has_prefill, load.depth, thread)
         return prediction
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -224,15 +225,15 @@ class Speculation:
         rates = self.requests.rates(slots[emits], prior)
         loads = [decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
         gain = expected_tokens(rates)
+        emitted = [step_tokens(gain, caps_e, floors, d) for d in range(self.max_drafts + 1)]  # a step's, by depth
 
         def prompts(depth: int) -> float:
             """The prompts' share of a step at this depth: each emitted token brings the traffic's prompt
             tokens per token emitted, and the depths run over those as well."""
-            tokens = step_tokens(gain, caps_e, floors, depth)
-            return tokens * self.traffic.prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
+            return emitted[depth] * self.traffic.prefill_per_token() * self._prefill_cost(loads[depth], len(caps_e))
 
         def extra(depth: int) -> float:
-            return self.extra.seconds(len(caps_e), depth=depth)
+            return self.extra.priced(len(caps_e), depth, emitted.__getitem__)
 
         def period(depth: int) -> float:
             """The device time of a decode step of these rows at this depth, the prompts' share, and what
@@ -246,11 +247,11 @@ class Speculation:
         sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
         if self.trace is not None:
             self.trace.decision(len(caps_e), depth if sought is None else sought, range(self.max_drafts + 1),
-                                (lambda d: step_tokens(gain, caps_e, floors, d), period, prompts, extra))
+                                (emitted.__getitem__, period, prompts, extra))
         if sought is not None:
             drafts[emits] = self._seek_price(len(caps_e), sought, caps_e, floors)
             return drafts
-        step_rate = step_tokens(gain, caps_e, floors, depth) / max(period(depth), 1e-9)
+        step_rate = emitted[depth] / max(period(depth), 1e-9)
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(loads[depth])
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
