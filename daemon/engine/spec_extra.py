@@ -117,31 +117,25 @@ class ServingExtra:
         self._depth_seen[own] = self._count[key]
 
     def _in_spell(self, cell: int, depth: int, extra: float, slowed: float) -> None:
-        """A decode step at `depth` in this cell (`slowed`: the device thread's part of its extra): an offset
-        from the spell depth's mean if it is another depth."""
+        """A decode step at `depth` in this cell (`slowed`: the device thread's part of its extra)."""
         regime = self._regimes.setdefault(cell, Regime())
         regime.observe_share(extra, slowed)
-        spell = regime.depth
-        if spell is not None and spell != depth and self._has_own((False, cell, spell)):
-            regime.observe_offset(depth, extra - self._depth_mean[(False, cell, spell)], self._count[(False, cell)])
         regime.ran(depth)
 
     def priced(self, num_emitting: int, depth: int, tokens: Callable[[int], float]) -> float:
         """What serving adds to a decode step at this depth and these rows as the policy prices it (`tokens`:
         a step's expected emitted tokens by depth): as `seconds` prices it, but for a depth other than the
-        spell's (spec_regime.Regime) the device thread's slowed share is the spell depth's mean per emitted
-        token times the depth's own tokens, plus its offset where it ran lately. Never below 0."""
+        spell's (spec_regime.Regime) the device thread's slowed share is the spell depth's own mean per
+        emitted token times the depth's own tokens. Never below 0."""
         own = self.seconds(num_emitting, depth=depth)
         cell = self.bucket(num_emitting)
         regime = self._regimes.get(cell)
         spell = regime.depth if regime is not None else None
         if regime is None or spell is None or spell == depth or not self._has_own((False, cell, spell)):
             return own
-        per_token = self._depth_mean[(False, cell, spell)] / max(tokens(spell), 1e-9)
-        offset = regime.offset(depth, self._count[(False, cell)], self.STALE_STEPS)
-        in_spell = max(per_token * tokens(depth) + (offset or 0.0), 0.0)
+        per_token = max(self._depth_mean[(False, cell, spell)], 0.0) / max(tokens(spell), 1e-9)
         share = regime.slowed_share
-        return (1.0 - share) * own + share * in_spell
+        return (1.0 - share) * own + share * per_token * tokens(depth)
 
     def _leave(self, key: tuple[bool, int], depth: int) -> None:
         """A step at `depth` in this cell: the depth its last step ran, if another, is left, and suspect if
@@ -206,25 +200,14 @@ class ServingExtra:
         return math.sqrt(self._depth_var[own] / samples)
 
     def borrowed(self, num_emitting: int, depth: int, lender: int) -> bool:
-        """Whether decode steps at this depth are priced here mostly from what the `lender` depth's steps
-        taught: they have no recent mean of their own at these rows, or most of what serving adds is the
-        device thread slowed and they have no recent offset from the spell (`priced`); the lender has a mean
-        of its own; and this depth was not sought here (`seek`) within the last STALE_STEPS of the cell's
-        steps."""
+        """Whether decode steps at this depth are priced here with a mean the `lender` depth taught: they
+        have no recent mean of their own at these rows, the lender has, and this depth was not sought here
+        (`seek`) within the last STALE_STEPS of the cell's steps."""
         key = (False, self.bucket(num_emitting))
-        if depth == lender or not self._has_own((*key, lender)):
-            return False
-        if self._has_own((*key, depth)) and not self._scaled_alone(key[1], depth):
+        if self._has_own((*key, depth)) or not self._has_own((*key, lender)):
             return False
         sought = self._sought.get((*key, depth))
         return sought is None or self._count[key] - sought > self.STALE_STEPS
-
-    def _scaled_alone(self, cell: int, depth: int) -> bool:
-        """Whether `priced` takes most of this depth's price from the spell's mean per token, with no offset
-        of its own."""
-        regime = self._regimes.get(cell)
-        return regime is not None and regime.slowed_share >= 0.5 and \
-            regime.offset(depth, self._count[(False, cell)], self.STALE_STEPS) is None
 
     def seek(self, num_emitting: int, depth: int) -> None:
         """The policy runs this depth's decode steps at these rows to give it a mean of its own (afresh, if

@@ -22,20 +22,15 @@ from collections import deque
 
 
 class Regime:
-    """One cell's spell: the depth most of its last STEPS decode steps ran (None until it has STEPS // 2); per
-    other depth a running mean of what its steps added beyond the spell depth's mean, with the cell's step
-    count at its last sample; and the share of what serving adds that is the device thread slowed down."""
+    """One cell's spell: the depth most of its last STEPS decode steps ran (None until it has STEPS // 2), and
+    the share of what serving adds that is the device thread slowed down."""
 
     STEPS = 32  # NOTE: twice a probe (ServingExtra.MIN_SAMPLES): a probe never becomes the spell
-    WEIGHT = 0.1  # of an offset sample: a probe's 16 steps make most of it
     SHARE_WEIGHT = 0.02  # of a step, for the slowed share: as ServingExtra.WEIGHT
 
     def __init__(self) -> None:
         self._recent: deque[int] = deque(maxlen=self.STEPS)
         self._counts: dict[int, int] = {}
-        self._offset: dict[int, float] = {}
-        self._offset_count: dict[int, int] = {}
-        self._offset_seen: dict[int, int] = {}
         self._extra = 0.0  # running means of what serving adds and of the device thread's part of it
         self._slowed = 0.0
         self._steps = 0
@@ -68,18 +63,3 @@ class Regime:
         if self._extra <= 0.0:
             return 0.0
         return min(max(self._slowed / self._extra, 0.0), 1.0)
-
-    def observe_offset(self, depth: int, offset: float, at: int) -> None:
-        """A step at `depth` (not the spell's) added `offset` beyond the spell depth's mean; `at`: the cell's
-        step count."""
-        count = self._offset_count[depth] = self._offset_count.get(depth, 0) + 1
-        mean = self._offset.get(depth, offset)
-        self._offset[depth] = mean + max(1.0 / count, self.WEIGHT) * (offset - mean)
-        self._offset_seen[depth] = at
-
-    def offset(self, depth: int, now: int, stale: int) -> float | None:
-        """The depth's offset if its last sample is at most `stale` of the cell's steps before `now`."""
-        seen = self._offset_seen.get(depth)
-        if seen is None or now - seen > stale:
-            return None
-        return self._offset[depth]

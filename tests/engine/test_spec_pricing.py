@@ -399,19 +399,17 @@ def test_a_depth_left_on_a_burst_of_host_load_is_served_again(burst):
     assert (ran[2000:] != 1).sum() <= 3 * ServingExtra.MIN_SAMPLES  # the seeks of depth 2, once in STALE_STEPS
 
 
-def serve_slowed(spec: Speculation, steps: int, per_token_ms: float, own_ms: dict[int, float],
-                 kv: int = 300) -> list[int]:
+
+def serve_slowed(spec: Speculation, steps: int, per_token_ms: float, kv: int = 300) -> list[int]:
     """`steps` decode steps of one row (as `serve_one_row`) on a host where serving slows the device thread
-    itself: by `per_token_ms` for each token the spell emits a step (its last 32 steps' mean, as the HTTP
-    process and the clients stream them), and by `own_ms[depth]` more at the step's own depth; the depth each
-    step ran."""
+    itself by `per_token_ms` for each token the spell emits a step (its last 32 steps' mean: the HTTP process
+    and the clients stream them on the same cores); the depth each step ran."""
     plan, ran, emitted = one_row(kv, K + 1), [], []
     tokens = expected_tokens(spec.requests.rates(np.array([0]), spec.instance.rates()))[0]
     for _ in range(steps):
         depth = int(spec.choose(plan).max())
         target, drafts = device_ms(depth + 1, kv, depth)
-        spell = np.mean(emitted[-32:]) if emitted else tokens[depth]
-        target += per_token_ms * spell + own_ms[depth]
+        target += per_token_ms * (np.mean(emitted[-32:]) if emitted else tokens[depth])
         load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
         spec.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
         ran.append(depth)
@@ -419,16 +417,16 @@ def serve_slowed(spec: Speculation, steps: int, per_token_ms: float, own_ms: dic
     return ran
 
 
-def test_a_depth_not_in_use_is_priced_by_the_spell_s_extra_per_token_where_serving_slows_the_device():
-    """Serving slows the device thread by 0.4 ms per token the spell emits a step, and depth 1's steps by 0.3 ms
-    more: in their own spells depth 0 serves 12% more than depth 1. A depth-0 step inside a depth-1 spell
-    carries that spell's 1.7 tokens (at 16 streams on code, depth-0 probes inside depth-1 spells took 1.89 ms
-    more than the curves, 1.19 in depth 0's own spells), so depth 0 priced by what its steps took there, or
-    by the depth-1 steps' mean, looks 10-25% worse, and a policy that reached depth 1 stayed there. Priced by
-    the spell's extra per token times its own tokens, plus what its few steps added beyond the spell's mean,
-    it is run and kept."""
-    spec = profiled(0.7)
+@pytest.mark.parametrize("acceptance, best", [(0.5, 0), (0.7, 1)])
+def test_a_depth_not_in_use_is_priced_by_the_spell_s_extra_per_token_where_serving_slows_the_device(
+        acceptance, best):
+    """Serving slows the device thread by 0.4 ms per token the spell emits a step. Drafts accepted half the
+    time, depth 0 serves 6% more than depth 1 in its own spells; a depth-0 step inside a depth-1 spell carries
+    that spell's 1.5 tokens (at 64 streams on code, depth-0 steps inside depth-1 spells added 9.6-11.4 ms to
+    the curves, 8.0-8.4 in their own spells), so priced by such steps, or by the depth-1 steps' mean, depth 0
+    looked worse, and the policy served depth 1 for good. Priced by the spell's extra per emitted token times
+    its own tokens, it is served; and at 0.7, where depth 1 is the better, depth 1 is."""
+    spec = profiled(acceptance)
     spec._depth = 1
-    ran = serve_slowed(spec, 3000, 0.4, {0: 0.0, 1: 0.3, 2: 0.3, 3: 0.3})
-    assert ran[:32].count(1) >= 16  # a spell at depth 1 first
-    assert ran[1000:].count(0) >= 0.9 * 2000
+    ran = serve_slowed(spec, 3000, 0.4)
+    assert ran[1000:].count(best) >= 0.9 * 2000
