@@ -1,19 +1,27 @@
-"""The spell a cell of decode steps is in (spec_extra.py): the depth most of its last steps ran, for each other
-depth what its few steps among them added beyond that depth's mean, and how much of what serving adds is the
-device thread itself running slower than the profile's curves.
+"""The spell a cell of decode steps is in (spec_extra.py): the depth most of its last steps ran, and how much of
+what serving adds is the device thread itself running slower than the profile's curves.
 
-On this host what serving adds to a decode step is mostly the device thread slowed down (its own time, 15.9
-ms against the curves' 8.1 at 64 rows on code; the period only ~0.1 ms more than that): the HTTP process and
-the clients stream the spell's tokens on the same cores. That share follows the spell the step runs in more
-than the step's own depth. At 64 streams on code, depth-1 steps inside depth-0 spells added 7.2-10.3 ms and
-depth-1 steps in their own spells 8.8-12.0; depth-0 steps inside depth-1 spells 9.6-11.4 against 8.0-8.4 in
-their own (four instances). Priced by those few steps (the policy's probes), the depth in use kept winning
-its comparisons: at 16 streams one instance served depth 1 for 69% of rows where k0 served 9% more than k1.
+On this host what serving adds to a decode step is mostly the device thread slowed down (at 64 rows on code its
+own time was 15.9 ms against the curves' 8.1, the period only ~0.1 ms more): the HTTP process, the clients and
+the host loop share the two cores with it. How much follows the spell a step runs in more than the step's own
+depth. In four instances at 64 streams on code, depth-1 steps inside depth-0 spells added 7.2-10.3 ms to the
+curves and 8.8-12.0 in their own spells; depth-0 steps inside depth-1 spells 9.6-11.4 against 8.0-8.4 in
+their own. A depth priced by its few steps among another's (the policy's probes) gets the spell's price, and
+the depth in use kept winning its comparisons: at 16 streams one instance ran depth 1 for 69% of its rows
+where k0 served 9% more than k1.
 
-So a depth not in use is priced, for the slowed share, by the spell's extra per emitted token times its own
-tokens, plus what its probes added beyond the spell's mean (what the depth itself costs that the curves do not
-see); the rest (time between steps, which the host's work per step makes, as on a GPU host) as before, by
-each depth's own mean (spec_extra.ServingExtra.priced).
+So for a depth other than the spell's, the slowed share of its price is the spell depth's own mean per emitted
+token times the depth's own expected tokens (spec_extra.ServingExtra.priced); the rest, time between steps
+(which the host's work per step makes, as on a GPU host), is priced as before, by each depth's own mean. Per
+token, because the spell's extra grew with its tokens: at 16 streams 1.52 ms for 16.1 tokens a depth-0 step
+and 2.79 for 29.1 a depth-1 step in one instance's spells; at one row 0.08, 0.34 and 0.56 ms for 1.1, 1.8 and
+2.5 tokens at depths 0-2.
+
+NOTE: not with what a probe's steps added beyond the spell's mean on top: a probe's first steps carry a
+switch's cost too. At 4 streams depth-1 steps right after depth-0 spells added 1.04 ms, 0.81 in their own
+spells, and depth 0 after depth 1 0.75 against 0.57; kept as an offset on the per-token price, it priced
+depth 1 ~20% of its step high from a depth-0 spell, and one instance ran depth 0 for 53% of rows at 0.905 of
+k1.
 """
 
 from __future__ import annotations

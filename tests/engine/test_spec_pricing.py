@@ -404,12 +404,12 @@ def serve_slowed(spec: Speculation, steps: int, per_token_ms: float, kv: int = 3
     """`steps` decode steps of one row (as `serve_one_row`) on a host where serving slows the device thread
     itself by `per_token_ms` for each token the spell emits a step (its last 32 steps' mean: the HTTP process
     and the clients stream them on the same cores); the depth each step ran."""
-    plan, ran, emitted = one_row(kv, K + 1), [], []
+    plan, ran, emitted = one_row(kv, K + 1), [], []  # emitted: each step's tokens
     tokens = expected_tokens(spec.requests.rates(np.array([0]), spec.instance.rates()))[0]
     for _ in range(steps):
         depth = int(spec.choose(plan).max())
         target, drafts = device_ms(depth + 1, kv, depth)
-        target += per_token_ms * (np.mean(emitted[-32:]) if emitted else tokens[depth])
+        target += per_token_ms * float(np.mean(emitted[-32:]) if emitted else tokens[depth])
         load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
         spec.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
         ran.append(depth)
