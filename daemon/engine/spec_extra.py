@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from mtpserve.engine.spec_regime import Regime
+from mtpserve.engine.spec_regime import TOKENS_POWER, Regime
 
 
 class ServingExtra:
@@ -133,9 +133,9 @@ class ServingExtra:
         spell = regime.depth if regime is not None else None
         if regime is None or spell is None or spell == depth or not self._has_own((False, cell, spell)):
             return own
-        per_token = max(self._depth_mean[(False, cell, spell)], 0.0) / max(tokens(spell), 1e-9)
+        scale = (tokens(depth) / max(tokens(spell), 1e-9)) ** TOKENS_POWER
         share = regime.slowed_share
-        return (1.0 - share) * own + share * per_token * tokens(depth)
+        return (1.0 - share) * own + share * max(self._depth_mean[(False, cell, spell)], 0.0) * scale
 
     def _leave(self, key: tuple[bool, int], depth: int) -> None:
         """A step at `depth` in this cell: the depth its last step ran, if another, is left, and suspect if

@@ -10,16 +10,16 @@ their own. A depth priced by its few steps among another's (the policy's probes)
 the depth in use kept winning its comparisons: at 16 streams one instance ran depth 1 for 69% of its rows
 where k0 served 9% more than k1.
 
-So for a depth other than the spell's, the slowed share of its price is the spell depth's own mean per emitted
-token times the depth's own expected tokens (spec_extra.ServingExtra.priced); the rest, time between steps
-(which the host's work per step makes, as on a GPU host), is priced as before, by each depth's own mean. Per
-token, because the spell's extra grew with its tokens: at 16 streams 1.52 ms for 16.1 tokens a depth-0 step
-and 2.79 for 29.1 a depth-1 step in one instance's spells; at one row 0.08, 0.34 and 0.56 ms for 1.1, 1.8 and
-2.5 tokens at depths 0-2.
+So for a depth other than the spell's, the slowed share of its price is the spell depth's own mean scaled to
+the depth's own expected tokens a step (their ratio to TOKENS_POWER, spec_extra.ServingExtra.priced); the
+rest, time between steps (which the host's work per step makes, as on a GPU host), is priced as before, by each
+depth's own mean. By tokens, because the spell's extra grew with them: at 16 streams 1.53 ms for 15.9 tokens a
+depth-0 step and 2.03 for 29.2 a depth-1 step (one instance's spells); at one row 0.08, 0.34 and 0.56 ms for
+1.1, 1.8 and 2.5 tokens at depths 0-2.
 
 NOTE: not with what a probe's steps added beyond the spell's mean on top: a probe's first steps carry a
 switch's cost too. At 4 streams depth-1 steps right after depth-0 spells added 1.04 ms, 0.81 in their own
-spells, and depth 0 after depth 1 0.75 against 0.57; kept as an offset on the per-token price, it priced
+spells, and depth 0 after depth 1 0.75 against 0.57; kept as an offset on the scaled price, it priced
 depth 1 ~20% of its step high from a depth-0 spell, and one instance ran depth 0 for 53% of rows at 0.905 of
 k1.
 """
@@ -27,6 +27,13 @@ k1.
 from __future__ import annotations
 
 from collections import deque
+
+# NOTE: what a spell's decode steps take beyond the curves grew as its tokens a step to this power: in ten
+# instances' own spells of depths 0 and 1 (the depth before them for 32 steps), 0.39-0.50 at 16 streams (one
+# 0.98), 0.18-0.48 at 64, 0.64 at 4. Per token (a power of 1), depth 1 was priced 36 ms a decode step from a
+# depth-0 spell at 64 rows where its steps took 22-28, and the stepped load's HIGH phases ran depth 0 for 94% of
+# their steps where k1 served 7% more there.
+TOKENS_POWER = 0.5
 
 
 class Regime:
