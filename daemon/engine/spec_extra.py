@@ -125,8 +125,8 @@ class ServingExtra:
     def priced(self, num_emitting: int, depth: int, tokens: Callable[[int], float]) -> float:
         """What serving adds to a decode step at this depth and these rows as the policy prices it (`tokens`:
         a step's expected emitted tokens by depth): as `seconds` prices it, but for a depth other than the
-        spell's (spec_regime.Regime) the device thread's slowed share is the spell depth's own mean per
-        emitted token times the depth's own tokens. Never below 0."""
+        spell's (spec_regime.Regime) the device thread's slowed share is the spell depth's own mean scaled by
+        the ratio of the depth's tokens to the spell depth's, to TOKENS_POWER. Never below 0."""
         own = self.seconds(num_emitting, depth=depth)
         cell = self.bucket(num_emitting)
         regime = self._regimes.get(cell)
