@@ -15,49 +15,13 @@ from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import StepTrace
 from mtpserve.ipc.sampling_params import SamplingParams
+from spec_device import device_ms, one_row, profiled
 from spec_rows import K, decode_row
 
 @pytest.fixture(autouse=True)
 def steady(monkeypatch):
     """These tests price a steady load: what serving adds is learnt from its first step."""
     monkeypatch.setattr(ServingExtra, "WARMUP_STEPS", 0)
-
-
-# A device whose attention dots every query token with every key (ops_ext/paged_attention.cc), in ms:
-# the target pass a fixed part, a part per token and a part per (query token, key) pair; each MTP depth
-# the same over the same tokens.
-TARGET_BASE, TARGET_TOKEN, TARGET_PAIR = 0.5, 0.1, 0.0005
-DEPTH_BASE, DEPTH_PAIR = 0.15, 0.0001
-
-
-def device_ms(window: int, kv: int, depth: int) -> tuple[float, float]:
-    """(target, drafts) of one row's step: a window of `window` tokens after `kv` tokens of KV."""
-    pairs = window * (kv + window)
-    return TARGET_BASE + TARGET_TOKEN * window + TARGET_PAIR * pairs, depth * (DEPTH_BASE + DEPTH_PAIR * pairs)
-
-
-def one_row(kv: int, window: int) -> SchedulePlan:
-    request = Request(EngineRequest(0, (1, 2, 3), SamplingParams(temperature=0.0)), 0, 0)
-    request.num_kv_tokens = kv
-    return SchedulePlan((ScheduledRow(request, 0, 0, False, window, 0, True),), (), (), ())
-
-
-def profiled(acceptance: float) -> Speculation:
-    """A policy whose curves were profiled as the start-up profile does (every depth at a short and a long
-    context, the loads as the engine describes its steps), on the device above, and whose request and
-    instance accept `acceptance` at every depth."""
-    spec = Speculation(K, adaptive=True, num_slots=4)
-    for kv in (32, 384):
-        for depth in range(K + 1):
-            plan = one_row(kv, depth + 1)
-            load = spec.shape(plan, np.array([depth]))
-            target, drafts = device_ms(depth + 1, kv, depth)
-            for _ in range(Curve.MIN_SAMPLES):
-                spec.costs.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
-    spec.costs.freeze()
-    spec.instance.whole.tried[:] = spec.requests.tried[0] = 1000.0
-    spec.instance.whole.accepted[:] = spec.requests.accepted[0] = 1000.0 * acceptance
-    return spec
 
 
 def test_a_wide_window_pays_for_its_attention_per_query_token():
@@ -319,119 +283,3 @@ def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decod
     quiet = (spec.costs.device(mixed) - spec.costs.device(decode)) / 256
     assert spec._prefill_cost(decode, 16) == pytest.approx(quiet - 3.9e-3 / 256)
     assert spec.observe(decode, 5e-3, None).period == pytest.approx(spec.costs.device(decode) + 1.4e-3)
-
-
-def serve_one_row(spec: Speculation, steps: int, added_ms: dict[int, float], kv: int = 300,
-                  noise_ms: float = 0.0, seed: int = 0, burst: tuple[int, int, float] = (0, 0, 0.0)) -> list[int]:
-    """`steps` decode steps of one row after `kv` tokens of KV on the device above, where serving adds
-    `added_ms[depth]` to a step at that depth (and normal noise of sd `noise_ms`, and `burst`'s ms to the
-    steps from its first for its count, whatever their depth); the depth each step ran."""
-    plan, ran = one_row(kv, K + 1), []
-    noise = np.random.default_rng(seed).normal(0.0, noise_ms, steps)
-    noise[burst[0]:burst[0] + burst[1]] += burst[2]
-    for i in range(steps):
-        depth = int(spec.choose(plan).max())
-        target, drafts = device_ms(depth + 1, kv, depth)
-        load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
-        added = added_ms[depth] + noise[i]
-        spec.observe(load, (target + drafts + added) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
-        ran.append(depth)
-    return ran
-
-
-def test_a_deeper_depth_priced_with_what_serving_adds_to_the_depth_in_use_is_run_to_price_it():
-    """Serving adds 0.3 ms to a depth-0 step and 0.05 ms to a depth-1 step (at 64 streams on code, a KV
-    that no longer fit the cache slowed depth 0 by 9-10 ms and depth 1 by ~4 ms over the profile's curves).
-    Priced with depth 0's 0.3 ms, depth 1 looks 3% worse; run for a few steps it is priced by its own and
-    is 16% better, and the policy serves at depth 1. Without those steps it stayed at depth 0 for good."""
-    spec = profiled(0.4)
-    spec._depth = 0
-    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05})
-    assert ran[:20].count(0) >= ServingExtra.MIN_SAMPLES  # depth 0 first, learning what serving adds to it
-    assert ran[1000:].count(1) >= 0.9 * 2000
-
-
-def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_and_one_far_worse_never():
-    """Where depth 1 costs what its borrowed price says (serving adds 0.3 ms to every depth), the steps that
-    price it are at most one run of MIN_SAMPLES per STALE_STEPS; where its drafts are rarely accepted (random
-    words), it is not within the band, and never runs."""
-    spec = profiled(0.4)
-    spec._depth = 0
-    ran = serve_one_row(spec, 3000, {d: 0.3 for d in range(K + 1)})
-    assert 0 < len(ran) - ran.count(0) <= 3 * ServingExtra.MIN_SAMPLES
-    spec = profiled(0.05)
-    spec._depth = 0
-    assert set(serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.0, 3: 0.0})) == {0}
-
-
-def test_a_deeper_depth_priced_by_a_few_noisy_steps_is_not_taken_on_their_noise():
-    """Depth 1 is 3% slower than depth 0 here, and each step's period wanders by 0.5 ms (40% of a depth-1
-    step; at 4 streams on code, 16 steps' mean of what serving adds spread 13-21% of a step). A seek's 16
-    steps then look 5% better often enough that, taken at their word, the policy went deeper after some seeks
-    in every run (and stayed there up to STALE_STEPS: depth 0's price is the one it had when it looked worst);
-    taken DOUBT standard errors high, it stays at depth 0 but for the seeks in most runs."""
-    runs = []
-    for seed in range(6):
-        spec = profiled(0.4)
-        spec._depth = 0
-        ran = serve_one_row(spec, 6000, {d: 0.3 for d in range(K + 1)}, noise_ms=0.5, seed=seed)
-        runs.append(len(ran) - ran.count(0))
-    assert min(runs) > 0  # sought
-    assert np.median(runs) <= 6 * ServingExtra.MIN_SAMPLES  # sought once in STALE_STEPS, and no more
-
-
-def test_a_deeper_depth_that_is_better_is_taken_through_the_noise():
-    """The seek test above with that noise: depth 1 16% better is still served."""
-    spec = profiled(0.4)
-    spec._depth = 0
-    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05}, noise_ms=0.5)
-    assert ran[1000:].count(1) >= 0.85 * 2000
-
-
-@pytest.mark.parametrize("burst", [(2000, 30, 2.0), (2000, 60, 1.0), (2000, 100, 1.0)])
-def test_a_depth_left_on_a_burst_of_host_load_is_served_again(burst):
-    """Depth 1 is the best here (depths 0 and 2 ~9% worse). A burst of host load while it runs raised its mean
-    and the policy left it; priced at that mean for STALE_STEPS, it was not served again for ~1,000 steps.
-    Left on a sharp rise, it is run again for a few steps to be priced, as its mean from before the rise says
-    it is worth (spec_extra.ServingExtra.suspect)."""
-    spec = profiled(0.6)
-    ran = np.array(serve_one_row(spec, 5000, {d: 0.3 for d in range(K + 1)}, burst=burst))
-    assert (ran[2000:] != 1).sum() <= 3 * ServingExtra.MIN_SAMPLES  # the seeks of depth 2, once in STALE_STEPS
-
-
-
-
-
-def serve_slowed(spec: Speculation, steps: int, slow_ms: float, first: int, kv: int = 300) -> list[int]:
-    """`steps` decode steps of one row (as `serve_one_row`), the `first` of them pinned to depth 1 (a spell the
-    policy did not choose), on a host where serving slows the device thread itself by `slow_ms` times the square
-    root of the tokens the spell emits a step (its last 32 steps' mean: the HTTP process and the clients stream
-    them on the same cores; spec_regime.TOKENS_POWER says what served spells measured); the depth each step
-    ran."""
-    plan, ran, emitted = one_row(kv, K + 1), [], []  # emitted: each step's tokens
-    tokens = expected_tokens(spec.requests.rates(np.array([0]), spec.instance.rates()))[0]
-    for i in range(steps):
-        spec.forced = 1 if i < first else None
-        depth = int(spec.choose(plan).max())
-        target, drafts = device_ms(depth + 1, kv, depth)
-        target += slow_ms * float(np.mean(emitted[-32:]) if emitted else tokens[depth]) ** 0.5
-        load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (kv + depth + 1))
-        spec.observe(load, (target + drafts) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
-        ran.append(depth)
-        emitted.append(tokens[depth])
-    return ran
-
-
-@pytest.mark.parametrize("acceptance, best", [(0.3, 0), (0.7, 1)])
-def test_a_depth_not_in_use_is_priced_by_the_spell_s_extra_scaled_to_its_tokens(acceptance, best):
-    """Serving slows the device thread by 0.8 ms times the square root of the tokens the spell emits a step.
-    Drafts accepted 30% of the time, depth 0 serves 5% more than depth 1 in its own spells, but a depth-0
-    step inside a depth-1 spell carries that spell's 1.3 tokens (at 64 streams on code, depth-0 steps inside
-    depth-1 spells added 9.6-11.4 ms to the curves, 8.0-8.4 in their own spells): priced by such steps, or by
-    the depth-1 steps' mean, depth 0 looks 2% worse, and after a spell at depth 1 the policy stayed there.
-    Priced by the spell's extra scaled to its own tokens, it is served; and at 0.7, where depth 1 is 17% the
-    better, depth 1 is."""
-    spec = profiled(acceptance)
-    ran = serve_slowed(spec, 3000, 0.8, first=200)
-    assert ran[:200] == [1] * 200
-    assert ran[1000:].count(best) >= 0.9 * 2000
