@@ -60,18 +60,27 @@ class Curve:
         self._count: dict[int, int] = {}
         self._samples: dict[int, deque[tuple[float, float]]] | None = {}  # a cell's last (y, c), until settled
         self._points: tuple[list[float], list[float]] | None = None  # the known cells, sorted
+        self._at: dict[int, int] = {}  # a known cell's place in them
 
     def observe(self, x: float, y: float, context: float = 0.0) -> None:
         if self._samples is None:
             return
         key = round(4 * math.log2(max(x, 1.0)))
         count = self._count[key] = self._count.get(key, 0) + 1
-        self._samples.setdefault(key, deque(maxlen=self.KEPT)).append((y, context))
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=self.KEPT)
+        samples.append((y, context))
         # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) sample fades
         weight = max(1.0 / count, self.WEIGHT)
         self._x[key] = self._x.get(key, x) + weight * (x - self._x.get(key, x))
         self._y[key] = self._y.get(key, y) + weight * (y - self._y.get(key, y))
-        self._points = None
+        points, at = self._points, self._at.get(key)
+        if points is not None and at is not None:
+            # NOTE: a known cell moves in place: sorted again, every step's prediction cost ~10 us
+            points[0][at], points[1][at] = self._x[key], self._y[key]
+        elif count >= self.MIN_SAMPLES:
+            self._points = None
 
     def __call__(self, x: float) -> float:
         xs, ys = self._known()
@@ -118,6 +127,7 @@ class Curve:
         if self._points is None:
             keys = sorted(k for k, n in self._count.items() if n >= self.MIN_SAMPLES)
             self._points = [self._x[k] for k in keys], [self._y[k] for k in keys]
+            self._at = {k: i for i, k in enumerate(keys)}
         return self._points
 
 

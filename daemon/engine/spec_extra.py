@@ -88,7 +88,10 @@ class ServingExtra:
 
     @staticmethod
     def bucket(num_emitting: int) -> int:
-        return round(2 * math.log2(max(num_emitting, 1)))
+        """The half octave of rows a count of emitting rows is in (looked up: several calls a step)."""
+        if num_emitting < len(_BUCKETS):
+            return _BUCKETS[num_emitting]
+        return round(2 * math.log2(num_emitting))
 
     def observe(self, num_emitting: int, seconds: float, device: float, has_prefill: bool = False,
                 depth: int = 0, device_thread: float | None = None) -> None:
@@ -118,7 +121,9 @@ class ServingExtra:
 
     def _in_spell(self, cell: int, depth: int, extra: float, slowed: float) -> None:
         """A decode step at `depth` in this cell (`slowed`: the device thread's part of its extra)."""
-        regime = self._regimes.setdefault(cell, Regime())
+        regime = self._regimes.get(cell)
+        if regime is None:
+            regime = self._regimes[cell] = Regime()
         regime.observe_share(extra, slowed)
         regime.ran(depth)
 
@@ -238,6 +243,7 @@ class ServingExtra:
         return self.measured(num_emitting, True) - self.measured(num_emitting)
 
 
+_BUCKETS = tuple(round(2 * math.log2(max(n, 1))) for n in range(4097))
 _Key = TypeVar("_Key", tuple[bool, int], tuple[bool, int, int])
 
 

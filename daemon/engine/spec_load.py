@@ -5,7 +5,7 @@ same rows at each depth."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -15,27 +15,39 @@ from mtpserve.engine.spec_cost import StepLoad
 _Count = TypeVar("_Count", int, np.ndarray)  # a count, or an array of counts
 
 
-def prefill_and_emitting(plan: SchedulePlan) -> tuple[int, int]:
-    """The plan's prompt tokens and the rows that emit, in one pass."""
-    prefill = emitting = 0
-    for row in plan.rows:
-        if row.is_prefill:
-            prefill += row.num_tokens
-        emitting += row.emits
-    return prefill, emitting
+class PlanLoad(NamedTuple):
+    """What the policy and the cost model read of a plan, from one pass over its rows."""
+
+    num_tokens: int  # the target pass's tokens
+    prefill_tokens: int  # of them, prompt chunks'
+    num_emitting: int  # rows that emit
+    context: int  # `StepLoad.context` (0 where not asked for)
 
 
-def context(plan: SchedulePlan) -> int:
-    """`StepLoad.context`: what the step's attention reads. A decode window's tokens each read the row's KV
-    (query-key pairs: its width times its KV length at the end of it); a prompt chunk counts its KV
-    length at the end of it once (its attention is the mixed curve's).
+def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
+    """The plan's tokens, prompt tokens, emitting rows and (`with_context`) what its attention reads: a decode
+    window's tokens each read the row's KV (query-key pairs: its width times its KV length at the end of it); a
+    prompt chunk counts its KV length at the end of it once (its attention is the mixed curve's).
+
+    NOTE: one pass, once a step (`Speculation.choose`; `shape` reads it again): three walks of the rows (the
+    policy's, the step shape's, the plan's own token sum) cost ~15 us a step at 16 rows on this host, and the
+    step's thread waits for the GIL meanwhile.
 
     NOTE: the attention kernel (ops_ext/paged_attention.cc) reads a row's keys once but dots every query
     with every key. At one row on this host, 224 more positions of context added 0.07 ms to a depth-0
     step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
     priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
-    return sum(row.start_pos + row.num_tokens if row.is_prefill
-               else pairs(row.num_tokens, row.request.num_kv_tokens) for row in plan.rows)
+    num_tokens = prefill = emitting = attended = 0
+    for row in plan.rows:
+        width = row.num_tokens
+        num_tokens += width
+        emitting += row.emits
+        if row.is_prefill:
+            prefill += width
+            attended += row.start_pos + width
+        elif with_context:
+            attended += width * (row.request.num_kv_tokens + width)
+    return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0)
 
 
 def pairs(width: _Count, kv: _Count) -> _Count:

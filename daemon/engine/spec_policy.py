@@ -19,7 +19,7 @@ wide as the widest), so the policy decides in two parts:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,21 +40,22 @@ def choose_depth(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, period:
     """The step's depth. gain: [B, K+1] expected tokens per k; caps, floors: [B]; period(depth): seconds of
     a step of these rows at that depth. The best depth by expected tokens per second, unless it is deeper
     than the depth in use and the depth in use is within `margin` of it."""
-    return pick_depth(depth_rates(gain, caps, floors, period), current, margin)
+    return pick_depth(depth_rates(step_tokens(gain, caps, floors), int(floors.max(initial=0)), period), current,
+                      margin)
 
 
-def depth_rates(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray,
-                period: Callable[[int], float]) -> dict[int, float]:
-    """Expected tokens per second of a step of these rows at each depth from the deepest floor to K, every
-    row drafting min(depth, cap) (at least its floor)."""
-    return {depth: step_tokens(gain, caps, floors, depth) / max(period(depth), 1e-9)
-            for depth in range(int(floors.max(initial=0)), gain.shape[1])}
+def depth_rates(emitted: Sequence[float], shallowest: int, period: Callable[[int], float]) -> dict[int, float]:
+    """Expected tokens per second of a step of these rows at each depth from `shallowest` (the deepest floor)
+    to K, from the step's expected tokens at each depth (`step_tokens`)."""
+    return {depth: emitted[depth] / max(period(depth), 1e-9) for depth in range(shallowest, len(emitted))}
 
 
-def step_tokens(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray, depth: int) -> float:
-    """Expected tokens of a step of these rows at `depth`, every row drafting min(depth, cap) (at least its
-    floor)."""
-    return float(gain[np.arange(gain.shape[0]), np.maximum(np.minimum(caps, depth), floors)].sum())
+def step_tokens(gain: np.ndarray, caps: np.ndarray, floors: np.ndarray) -> list[float]:
+    """[K+1] expected tokens of a step of these rows at each depth, every row drafting min(depth, cap) (at
+    least its floor). gain: [B, K+1] as `expected_tokens` gives."""
+    depths = np.arange(gain.shape[1])
+    drafts = np.maximum(np.minimum(caps[:, None], depths[None, :]), floors[:, None])  # [B, K+1]
+    return np.take_along_axis(gain, drafts, axis=1).sum(axis=0).tolist()
 
 
 def pick_depth(rates: dict[int, float], current: int, margin: float) -> int:

@@ -140,26 +140,38 @@ class InstanceAcceptance:
         self.whole = DepthAcceptance(max_drafts, decay)
         self.every = DepthAcceptance(max_drafts, decay)
         self.decay = decay
+        # NOTE: fades not applied yet: one per step that drafts nothing (most steps at 16-64 streams), and the
+        # estimates are read once a decision
+        self._faded = 1.0
 
     def add(self, windows: np.ndarray, whole: np.ndarray, num_whole: int, num_windows: int) -> None:
         """A step's windows as `window_table` counts them [R, 2, K], and each one's complete depths as `below`
         marks them [R, K]; `num_whole` windows have a complete depth, `num_windows` have drafts."""
+        self._fade_now()
         self.whole.add(windows * whole[:, None, :], num_whole)
         self.every.add(windows, num_windows)
 
     def add_each(self, whole: list[tuple[int, int]], every: list[tuple[int, int]]) -> None:
         """`add` for a step of a few rows: each window as (drafts, accepted), and its complete depths' part."""
+        self._fade_now()
         if whole:
             self.whole.add_each(whole)
         self.every.add_each(every)
 
     def fade(self, factor: float) -> None:
-        self.whole.fade(factor)
-        self.every.fade(factor)
+        """Weaken the evidence without adding any (applied when it is next read or added to)."""
+        self._faded *= factor
 
     def rates(self) -> np.ndarray:
         """[K] conditional acceptance per depth."""
+        self._fade_now()
         return np.maximum(self.whole.rates(), self.every.lower_bounds())
+
+    def _fade_now(self) -> None:
+        if self._faded != 1.0:
+            self.whole.fade(self._faded)
+            self.every.fade(self._faded)
+            self._faded = 1.0
 
 
 class SlotAcceptance:

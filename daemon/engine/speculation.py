@@ -22,7 +22,7 @@ from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
 from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_learning import Acceptances
-from mtpserve.engine.spec_load import context, decode_loads, prefill_and_emitting
+from mtpserve.engine.spec_load import PlanLoad, decode_loads, plan_load
 from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts, step_tokens
 from mtpserve.engine.spec_seek import depth_to_price, doubt_seconds
 from mtpserve.engine.spec_stats import InstanceAcceptance, SlotAcceptance, first_doubt
@@ -58,6 +58,7 @@ class Speculation:
         self.traffic = Traffic()
         self._steps = 0  # steps the policy chose drafts for
         self._decided_at = 0  # `_steps` at the last decision
+        self._last: tuple[SchedulePlan, PlanLoad] | None = None  # the last plan `choose` read, for `shape`
 
     @property
     def instance(self) -> InstanceAcceptance:
@@ -72,22 +73,31 @@ class Speculation:
         for request in plan.inserts:
             self._slot_caps[request.slot_id] = self._cap(request)
             self._slot_pinned[request.slot_id] = _is_seeded_sample(request)
+        # NOTE: only the policy reads the context (a fixed k would read every row's KV length for nothing)
+        load = plan_load(plan, self.adaptive)
+        self._last = plan, load
         slots = np.fromiter((row.slot for row in plan.rows), np.int64, len(plan.rows))
         caps = self._slot_caps[slots]
         if self.schedule is not None and self.forced is None:
             # NOTE: a seeded sample keeps its cap, as under the policy: its sample must not depend on the debug aid
             drafts = np.where(self._slot_pinned[slots], caps, np.minimum(caps, self.schedule.next_depth()))
         elif self.adaptive and self.forced is None:
-            drafts = self._adaptive(plan, slots, caps)
+            drafts = self._adaptive(plan, load, slots, caps)
         else:
             drafts = caps if self.forced is None else np.minimum(caps, self.forced)
         depth = int(drafts.max(initial=0))
-        if self.adaptive and depth == 0:
+        if depth:
+            for row, k in zip(plan.rows, drafts.tolist()):
+                row.request.num_drafts = k
+                row.request.mtp_depth = min(row.request.mtp_depth, depth)
+            self.rows_by_drafts += np.bincount(drafts, minlength=self.max_drafts + 1)
+            return drafts
+        if self.adaptive:
             self.acceptance.drafted_nothing()
-        for row, k in zip(plan.rows, drafts.tolist()):
-            row.request.num_drafts = k
-            row.request.mtp_depth = min(row.request.mtp_depth, depth)
-        self.rows_by_drafts += np.bincount(drafts, minlength=self.max_drafts + 1)
+        for row in plan.rows:  # NOTE: the load's usual step at 16-64 streams: the same, without the array's walk
+            request = row.request
+            request.num_drafts = request.mtp_depth = 0
+        self.rows_by_drafts[0] += len(plan.rows)
         return drafts
 
     def forget_profile(self) -> None:
@@ -104,12 +114,11 @@ class Speculation:
         self.traffic = Traffic()
 
     def shape(self, plan: SchedulePlan, drafts: np.ndarray) -> StepLoad:
-        """What the cost model knows of the step `plan` launches with `drafts`."""
-        has_prefill = any(row.is_prefill for row in plan.rows)
-        emitting = sum(row.emits for row in plan.rows)
-        # NOTE: only the policy reads the context (a fixed k would walk every row for nothing)
-        return StepLoad(plan.num_tokens, len(plan.rows), int(drafts.max(initial=0)), has_prefill, emitting,
-                        context(plan) if self.adaptive else 0)
+        """What the cost model knows of the step `plan` launches with `drafts` (the plan `choose` read last, or
+        any other)."""
+        load = self._last[1] if self._last is not None and self._last[0] is plan else plan_load(plan, self.adaptive)
+        return StepLoad(load.num_tokens, len(plan.rows), int(drafts.max(initial=0)), load.prefill_tokens > 0,
+                        load.num_emitting, load.context)
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> Prediction:
         """A finished step: its load, its period, the device thread's times. Returns what the model made
@@ -150,14 +159,14 @@ class Speculation:
         serving = self.extra.chunk_extra(num_emitting, decode.depth)
         return max(self.costs.device(mixed) + serving - self.costs.device(decode), 0.0) / chunk
 
-    def _adaptive(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        """The policy's drafts for the plan's rows (their slots and caps [B]); while a decision holds and the
-        step has the same rows as the last, the last step's drafts.
+    def _adaptive(self, plan: SchedulePlan, load: PlanLoad, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """The policy's drafts for the plan's rows (their load, slots and caps [B]); while a decision holds and
+        the step has the same rows as the last, the last step's drafts.
 
         NOTE: at a steady load a decision holds for a few steps (HOLD_STEPS): deciding costs ~150 us of
         Python and even reading the rows' estimates ~40 us, a few % of a batch-1 step on this host."""
         self._steps += 1
-        prefill, num_emitting = prefill_and_emitting(plan)
+        prefill, num_emitting = load.prefill_tokens, load.num_emitting
         if prefill:
             self.traffic.observe_chunk(prefill)
         if plan.inserts:
@@ -223,9 +232,10 @@ class Speculation:
             return drafts
         prior = self.instance.rates()
         rates = self.requests.rates(slots[emits], prior)
-        loads = [decode_loads(plan, emits, caps_e, floors)(d) for d in range(self.max_drafts + 1)]
+        load_at = decode_loads(plan, emits, caps_e, floors)
+        loads = [load_at(d) for d in range(self.max_drafts + 1)]
         gain = expected_tokens(rates)
-        emitted = [step_tokens(gain, caps_e, floors, d) for d in range(self.max_drafts + 1)]  # a step's, by depth
+        emitted = step_tokens(gain, caps_e, floors)  # a step's, by depth
 
         def prompts(depth: int) -> float:
             """The prompts' share of a step at this depth: each emitted token brings the traffic's prompt
@@ -235,13 +245,19 @@ class Speculation:
         def extra(depth: int) -> float:
             return self.extra.priced(len(caps_e), depth, emitted.__getitem__)
 
+        periods: dict[int, float] = {}  # NOTE: each read two to four times a decision (rates, margins, trace)
+
         def period(depth: int) -> float:
             """The device time of a decode step of these rows at this depth, the prompts' share, and what
             serving adds to a step of these rows at this depth."""
-            return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
+            seconds = periods.get(depth)
+            if seconds is None:
+                seconds = periods[depth] = self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
+            return seconds
 
-        per_second = depth_rates(gain, caps_e, floors, period)
-        cautious = depth_rates(gain, caps_e, floors,
+        shallowest = int(floors.max(initial=0))
+        per_second = depth_rates(emitted, shallowest, period)
+        cautious = depth_rates(emitted, shallowest,
                                lambda d: period(d) + doubt_seconds(self.extra, len(caps_e), d, self._depth))
         depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
         sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
