@@ -37,8 +37,13 @@ TOKENS_POWER = 0.5
 
 
 class Regime:
-    """One cell's spell: the depth most of its last STEPS decode steps ran (None until it has STEPS // 2), and
-    the share of what serving adds that is the device thread slowed down."""
+    """One cell's spell: the depth most of its first STEPS // 2 decode steps ran, then the last depth that ran
+    more than half of its last STEPS (None before); and the share of what serving adds that is the device thread
+    slowed down.
+
+    NOTE: more than half, so that a probe ends inside the spell it interrupts: with the depth most of the last
+    STEPS ran, a 16-step probe's last step tied 16 to 16, the tie went to the depth the cell ran first, and for
+    that step the probe's depth was the spell (its own price, not the spell's, priced the depth in use)."""
 
     STEPS = 32  # NOTE: twice a probe (ServingExtra.MIN_SAMPLES): a probe never becomes the spell
     SHARE_WEIGHT = 0.02  # of a step, for the slowed share: as ServingExtra.WEIGHT
@@ -46,15 +51,14 @@ class Regime:
     def __init__(self) -> None:
         self._recent: deque[int] = deque(maxlen=self.STEPS)
         self._counts: dict[int, int] = {}
+        self._spell: int | None = None
         self._extra = 0.0  # running means of what serving adds and of the device thread's part of it
         self._slowed = 0.0
         self._steps = 0
 
     @property
     def depth(self) -> int | None:
-        if len(self._recent) < self.STEPS // 2:
-            return None
-        return max(self._counts, key=self._counts.__getitem__)
+        return self._spell
 
     def ran(self, depth: int) -> None:
         """A decode step of the cell ran at `depth`."""
@@ -62,7 +66,12 @@ class Regime:
             gone = self._recent[0]
             self._counts[gone] -= 1
         self._recent.append(depth)
-        self._counts[depth] = self._counts.get(depth, 0) + 1
+        count = self._counts[depth] = self._counts.get(depth, 0) + 1
+        if self._spell is None:
+            if len(self._recent) >= self.STEPS // 2:
+                self._spell = max(self._counts, key=self._counts.__getitem__)
+        elif 2 * count > len(self._recent):  # NOTE: only the depth that just ran can have come to a majority
+            self._spell = depth
 
     def observe_share(self, extra: float, slowed: float) -> None:
         """A decode step's extra (period less the curves) and the device thread's part of it (its own time

@@ -1,0 +1,41 @@
+"""The spell a cell of decode steps is in (spec_regime.Regime): the depth that held it, changed only by a depth
+that runs more than half of the last steps, so a probe never reads as the spell it interrupts."""
+
+from mtpserve.engine.spec_regime import Regime
+
+HALF = Regime.STEPS // 2
+
+
+def ran(regime: Regime, depth: int, steps: int) -> None:
+    for _ in range(steps):
+        regime.ran(depth)
+
+
+def test_no_spell_until_half_a_window_of_steps():
+    regime = Regime()
+    ran(regime, 1, HALF - 1)
+    assert regime.depth is None
+    regime.ran(1)
+    assert regime.depth == 1
+
+
+def test_a_probe_as_long_as_half_the_window_leaves_the_spell_where_it_was():
+    """The cell ran depth 1 first, then settled at depth 0; a probe of depth 1 for half the window ties the
+    counts at its last step, and the spell is still depth 0 (the tie went to the first depth the cell ran)."""
+    regime = Regime()
+    ran(regime, 1, HALF)
+    ran(regime, 0, 2 * Regime.STEPS)
+    assert regime.depth == 0
+    ran(regime, 1, HALF)
+    assert regime.depth == 0
+    regime.ran(1)  # more than half of the window: the spell has changed
+    assert regime.depth == 1
+
+
+def test_a_depth_that_never_holds_a_majority_does_not_take_the_spell():
+    regime = Regime()
+    ran(regime, 0, Regime.STEPS)
+    for _ in range(Regime.STEPS):  # three depths in turn: none runs more than half of the window
+        for depth in (0, 1, 2):
+            regime.ran(depth)
+    assert regime.depth == 0
