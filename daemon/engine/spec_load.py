@@ -46,7 +46,7 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
             prefill += width
             attended += row.start_pos + width
         elif with_context:
-            attended += width * (row.request.num_kv_tokens + width)
+            attended += pairs(width, row.request.num_kv_tokens)
     return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0)
 
 

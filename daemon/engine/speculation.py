@@ -13,6 +13,8 @@ the load. Greedy and unseeded requests are adaptive.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mtpserve.engine.request import Request
@@ -232,8 +234,7 @@ class Speculation:
             return drafts
         prior = self.instance.rates()
         rates = self.requests.rates(slots[emits], prior)
-        load_at = decode_loads(plan, emits, caps_e, floors)
-        loads = [load_at(d) for d in range(self.max_drafts + 1)]
+        loads = list(map(decode_loads(plan, emits, caps_e, floors), range(self.max_drafts + 1)))  # rows walked once
         gain = expected_tokens(rates)
         emitted = step_tokens(gain, caps_e, floors)  # a step's, by depth
 
@@ -245,15 +246,11 @@ class Speculation:
         def extra(depth: int) -> float:
             return self.extra.priced(len(caps_e), depth, emitted.__getitem__)
 
-        periods: dict[int, float] = {}  # NOTE: each read two to four times a decision (rates, margins, trace)
-
+        @functools.cache  # NOTE: each read two to four times a decision (rates, margins, trace)
         def period(depth: int) -> float:
             """The device time of a decode step of these rows at this depth, the prompts' share, and what
             serving adds to a step of these rows at this depth."""
-            seconds = periods.get(depth)
-            if seconds is None:
-                seconds = periods[depth] = self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
-            return seconds
+            return self.costs.device(loads[depth]) + prompts(depth) + extra(depth)
 
         shallowest = int(floors.max(initial=0))
         per_second = depth_rates(emitted, shallowest, period)
@@ -277,11 +274,17 @@ class Speculation:
         # depth for every row: 2% of steps at four streams.
         chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
         hoping = self.requests.hoping(slots[emits], chosen, prior)
-        self.acceptance.fade_idle(slots[emits], drafts[emits])
-        steps, self._decided_at = self._steps - self._decided_at, self._steps
-        self.acceptance.fade_doubted(slots[emits], drafts[emits], rates, prior, steps)
+        self._fade(slots[emits], drafts[emits], rates, prior)
         self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
         return drafts
+
+    def _fade(self, slots: np.ndarray, drafts: np.ndarray, rates: np.ndarray, prior: np.ndarray) -> None:
+        """After a decision, for the emitting rows (their slots, drafts, estimates): the requests it gave no drafts
+        drift back to the instance's estimate, and so do the depths beyond a row's drafts where its estimate is
+        below the instance's, by the steps since the last decision (spec_learning.py)."""
+        self.acceptance.fade_idle(slots, drafts)
+        steps, self._decided_at = self._steps - self._decided_at, self._steps
+        self.acceptance.fade_doubted(slots, drafts, rates, prior, steps)
 
     def _hold(self, held: Hold | None, depth: int, num_emitting: int, clear: bool, hoping: bool,
               slot_cost: float) -> None:

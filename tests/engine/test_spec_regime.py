@@ -21,7 +21,8 @@ def test_no_spell_until_half_a_window_of_steps():
 
 def test_a_probe_as_long_as_half_the_window_leaves_the_spell_where_it_was():
     """The cell ran depth 1 first, then settled at depth 0; a probe of depth 1 for half the window ties the
-    counts at its last step, and the spell is still depth 0 (the tie went to the first depth the cell ran)."""
+    counts at its last step, and the spell is still depth 0 (a rule of "the depth most steps ran" gave the tie
+    to depth 1, the first the cell ran)."""
     regime = Regime()
     ran(regime, 1, HALF)
     ran(regime, 0, 2 * Regime.STEPS)
