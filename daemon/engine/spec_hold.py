@@ -60,5 +60,6 @@ class Hold:
     slot_cost: float
     length: int  # the steps it held for when decided
     at: int = 0  # the policy's steps when decided
+    sought: bool = False  # a seek's: its depth is run to price its decode steps (Speculation._seek_price)
     key: tuple[bytes, bytes] = (b"", b"")
     drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))

@@ -4,12 +4,15 @@ one row's decode steps on the synthetic device, where a depth's price is measure
 
 import numpy as np
 import pytest
+from mtpserve.engine.request import EngineRequest, Request
+from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_cost import StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
-from spec_device import device_ms, one_row, profiled
+from mtpserve.ipc.sampling_params import SamplingParams
+from spec_device import TARGET_TOKEN, device_ms, one_row, profiled
 from spec_rows import K
 
 
@@ -84,6 +87,41 @@ def test_a_deeper_depth_that_is_better_is_taken_through_the_noise():
     spec._depth = 0
     ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05}, noise_ms=0.5)
     assert ran[1000:].count(1) >= 0.85 * 2000
+
+
+def with_chunk(plan: SchedulePlan, tokens: int = 64) -> SchedulePlan:
+    """The plan with another request's prompt chunk of `tokens` (not its last: it does not emit) beside its rows."""
+    request = Request(EngineRequest(1, tuple(range(1, 2 * tokens)), SamplingParams(temperature=0.0)), 1, 0)
+    return SchedulePlan((*plan.rows, ScheduledRow(request, 0, 1, True, tokens, 0, False)), (), (), ())
+
+
+def test_a_seek_runs_the_depth_in_use_over_the_prompt_chunks_of_its_steps():
+    """The first test's host, with another request's prompt chunk beside the row every third step. A seek
+    prices a depth's decode steps, so a step with a chunk runs the depth in use (the sought depth ran over
+    the chunk as well: at 16 streams on code such steps took ~30 ms at depth 1 or 2 against ~20.5 at depth
+    0); the seek still gets its decode steps, and the policy serves at depth 1."""
+    spec = profiled(0.4)
+    spec._depth = 0
+    decode = one_row(300, K + 1)
+    chunked = with_chunk(decode)
+    beside, ran = [], []  # each chunk step's depth and the depth in use; each decode step's depth
+    for i in range(3000):
+        plan = chunked if i % 3 == 2 else decode
+        depth = int(spec.choose(plan).max())
+        in_use = spec._depth
+        target, drafts = device_ms(depth + 1, 300, depth)
+        added = {0: 0.3}.get(depth, 0.05)
+        if plan is chunked:
+            beside.append((depth, in_use))
+            target += 64 * TARGET_TOKEN
+            load = StepLoad(depth + 1 + 64, 2, depth, True, 1, (depth + 1) * (301 + depth) + 64)
+        else:
+            ran.append(depth)
+            load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (301 + depth))
+        spec.observe(load, (target + drafts + added) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
+    assert all(depth == in_use for depth, in_use in beside)
+    assert ran[:40].count(1) >= ServingExtra.MIN_SAMPLES  # the seek's decode steps
+    assert ran[700:].count(1) >= 0.9 * len(ran[700:])
 
 
 @pytest.mark.parametrize("burst", [(2000, 30, 2.0), (2000, 60, 1.0), (2000, 100, 1.0)])
