@@ -30,10 +30,14 @@ from collections import deque
 
 # NOTE: what a spell's decode steps take beyond the curves grew as its tokens a step to this power: in ten
 # instances' own spells of depths 0 and 1 (the depth before them for 32 steps), 0.39-0.50 at 16 streams (one
-# 0.98), 0.18-0.48 at 64, 0.64 at 4. Per token (a power of 1), depth 1 was priced 36 ms a decode step from a
-# depth-0 spell at 64 rows where its steps took 22-28, and the stepped load's HIGH phases ran depth 0 for 94% of
-# their steps where k1 served 7% more there.
-TOKENS_POWER = 0.5
+# 0.98), 0.18-0.48 at 64, 0.64 at 4, and ~0 in the stepped load's 64-stream phases (8.6 and 8.3 ms at depths 0
+# and 1). Per token (a power of 1), depth 1 was priced 36 ms a decode step from a depth-0 spell at 64 rows where
+# its steps took 22-28, and the stepped load's HIGH phases ran depth 0 for 94% of their steps where k1 served 7%
+# more there; at 0.5 still 33-34 ms where they took 26. Low, because a wrong power misprices by the spell's
+# extra times it: 8-10 ms a step at 64 rows, ~0.5 at 4, where a power of 0.25 for 0.64 prices a depth ~2% of
+# its step off. Side by side over three rounds of the stepped load, 1.045, 1.030, 1.032 of k1 against 1.018,
+# 1.009, 1.034 at 0.5; the same depths at 1, 16 and 64 streams, at 4 depth 2 for 2-5% of rows against 1%.
+TOKENS_POWER = 0.25
 
 
 class Regime:
