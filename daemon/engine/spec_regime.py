@@ -36,7 +36,10 @@ from collections import deque
 # more there; at 0.5 still 33-34 ms where they took 26. Low, because a wrong power misprices by the spell's
 # extra times it: 8-10 ms a step at 64 rows, ~0.5 at 4, where a power of 0.25 for 0.64 prices a depth ~2% of
 # its step off. Side by side over three rounds of the stepped load, 1.045, 1.030, 1.032 of k1 against 1.018,
-# 1.009, 1.034 at 0.5; the same depths at 1, 16 and 64 streams, at 4 depth 2 for 2-5% of rows against 1%.
+# 1.009, 1.034 at 0.5 (traced, the HIGH phases at depth 1 for 92% of decode steps against 9%, 1.10 the tokens a
+# second). The cost: a shallower depth priced from a deeper spell looks dearer than it is, and the policy can
+# stay deeper: in two sweeps after it, two 16-stream visits of four ran depth 1 for 88-94% of rows (0.886 of k0
+# in one), one 4-stream visit of four depth 2 for 29% (0.92 of k1); docs/benchmarks.md, forty-third session.
 TOKENS_POWER = 0.25
 
 
