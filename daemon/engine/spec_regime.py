@@ -33,14 +33,12 @@ from collections import deque
 # 0.98), 0.18-0.48 at 64, 0.64 at 4, and ~0 in the stepped load's 64-stream phases (8.6 and 8.3 ms at depths 0
 # and 1). Per token (a power of 1), depth 1 was priced 36 ms a decode step from a depth-0 spell at 64 rows where
 # its steps took 22-28, and the stepped load's HIGH phases ran depth 0 for 94% of their steps where k1 served 7%
-# more there; at 0.5 still 33-34 ms where they took 26. Low, because a wrong power misprices by the spell's
-# extra times it: 8-10 ms a step at 64 rows, ~0.5 at 4, where a power of 0.25 for 0.64 prices a depth ~2% of
-# its step off. Side by side over three rounds of the stepped load, 1.045, 1.030, 1.032 of k1 against 1.018,
-# 1.009, 1.034 at 0.5 (traced, the HIGH phases at depth 1 for 92% of decode steps against 9%, 1.10 the tokens a
-# second). The cost: a shallower depth priced from a deeper spell looks dearer than it is, and the policy can
-# stay deeper: in two sweeps after it, two 16-stream visits of four ran depth 1 for 88-94% of rows (0.886 of k0
-# in one), one 4-stream visit of four depth 2 for 29% (0.92 of k1); docs/benchmarks.md, forty-third session.
-TOKENS_POWER = 0.25
+# more there; at 0.5 still 33-34 ms where they took 26. At 0.25 (the forty-third session) the stepped load
+# served 1.031 of k1 by the median of six rounds (its HIGH phases at depth 1, 1.10 the tokens a second of 0.5's
+# traced), but a shallower depth priced from a deeper spell looked dearer than it is, and at 16 streams the
+# policy stayed at depth 1 in four visits of seven (87-94% of rows; side by side over three rounds 0.955 of k0
+# against 0.970 at 0.5, whose visits ran depth 1 for 38%, 15% and 1%). Kept at 0.5.
+TOKENS_POWER = 0.5
 
 
 class Regime:
