@@ -67,6 +67,10 @@ class ServingExtra:
     # depth 1 on that price and kept it for the STALE_STEPS it lived (replayed: depth 1 priced 12-18% of a
     # step too high). Priced by its mean from before the rise instead, a depth left at 4 streams, where the
     # host's level moves and stays, was priced 3-8% of a step too low on average.
+    # NOTE: a suspect depth sought while the burst lasts gets a fresh mean of the burst, and is left again with
+    # too short a past to compare: that leaving is compared with the mean from before the first rise, once.
+    # On the tests' host, a 100-step burst outlasted a seek (SEEK_STEPS) and depth 1 kept the burst's price for
+    # STALE_STEPS.
     PAST_STEPS = 100
     RISE = 3.0  # NOTE: of the mean's own standard error: two readings of a noisy mean, each ~1 of them
     RISE_SHARE = 0.05  # NOTE: and of the step's period: a mean that creeps up as contexts grow is no burst
@@ -83,6 +87,8 @@ class ServingExtra:
         self._depth_past: dict[tuple[bool, int, int], deque[float]] = {}  # its own after each of its last steps
         self._last_depth: dict[tuple[bool, int], int] = {}  # the depth of a cell's last step
         self._suspect: dict[tuple[bool, int, int], float] = {}  # left on a rise, not run since: the mean before
+        self._suspect_first: set[tuple[bool, int, int]] = set()  # suspect on its full past (not on `_again`)
+        self._again: dict[tuple[bool, int, int], float] = {}  # sought as suspect: the mean before, for its leaving
         self._depth_period: dict[tuple[bool, int, int], float] = {}  # the period of its last step
         self._regimes: dict[int, Regime] = {}  # decode steps' spell, by cell
 
@@ -107,6 +113,7 @@ class ServingExtra:
         own = (*key, depth)
         self._leave(key, depth)
         self._suspect.pop(own, None)
+        self._suspect_first.discard(own)
         if not self._is_recent(own):
             self._restart(own)
         deviation = extra - self._depth_mean.get(own, extra)
@@ -125,16 +132,20 @@ class ServingExtra:
         if regime is None:
             regime = self._regimes[cell] = Regime()
         regime.observe_share(extra, slowed)
-        regime.ran(depth)
+        regime.ran(depth, extra)
 
     def priced(self, num_emitting: int, depth: int, tokens: Callable[[int], float]) -> float:
         """What serving adds to a decode step at this depth and these rows as the policy prices it (`tokens`:
-        a step's expected emitted tokens by depth): as `seconds` prices it, but for a depth other than the
-        spell's (spec_regime.Regime) the device thread's slowed share is the spell depth's own mean scaled by
+        a step's expected emitted tokens by depth): by what serving added in the depth's own settled spells where
+        they are recent (spec_regime.Regime.settled); else as `seconds` prices it, but for a depth other than the
+        spell's the device thread's slowed share is the spell depth's own mean scaled by
         the ratio of the depth's tokens to the spell depth's, to TOKENS_POWER. Never below 0."""
         own = self.seconds(num_emitting, depth=depth)
         cell = self.bucket(num_emitting)
         regime = self._regimes.get(cell)
+        settled = regime.settled(depth) if regime is not None else None
+        if settled is not None:
+            return max(settled, 0.0)
         spell = regime.depth if regime is not None else None
         if regime is None or spell is None or spell == depth or not self._has_own((False, cell, spell)):
             return own
@@ -152,11 +163,18 @@ class ServingExtra:
             return
         left = (*key, last)
         past = self._depth_past.get(left)
-        if not self._has_own(left) or past is None or len(past) < self.PAST_STEPS:
+        again = self._again.pop(left, None)
+        if not self._has_own(left) or past is None:
             return
-        rise = self._depth_mean[left] - past[0]
+        full = len(past) >= self.PAST_STEPS
+        before = past[0] if full else again
+        if before is None:
+            return
+        rise = self._depth_mean[left] - before
         if rise > self.RISE * self._standard_error(left) and rise > self.RISE_SHARE * self._depth_period[left]:
-            self._suspect[left] = past[0]
+            self._suspect[left] = before
+            if full:
+                self._suspect_first.add(left)
 
     def suspect(self, num_emitting: int, depth: int) -> float | None:
         """Where decode steps at this depth and these rows are priced by a mean that had risen when the depth
@@ -198,6 +216,9 @@ class ServingExtra:
         """The standard error of a decode depth's own mean at these rows (its steps' spread over the steps
         the mean holds, ~1/WEIGHT at most); 0 where it is priced with a borrowed one."""
         own = (False, self.bucket(num_emitting), depth)
+        regime = self._regimes.get(own[1])
+        if regime is not None and regime.settled(depth) is not None:  # NOTE: the mean `priced` prices it by
+            return regime.settled_error(depth)
         return self._standard_error(own) if self._has_own(own) else 0.0
 
     def _standard_error(self, own: tuple[bool, int, int]) -> float:
@@ -220,8 +241,15 @@ class ServingExtra:
         key = (False, self.bucket(num_emitting))
         own = (*key, depth)
         self._sought[own] = self._count.get(key, 0)
-        if self._suspect.pop(own, None) is not None:
+        before = self._suspect.pop(own, None)
+        if before is not None:
             self._restart(own)
+            regime = self._regimes.get(key[1])
+            if regime is not None:
+                regime.restart(depth)
+            if own in self._suspect_first:  # NOTE: once: a rise that outlasts two seeks is the host's new level
+                self._suspect_first.discard(own)
+                self._again[own] = before
 
     def _restart(self, own: tuple[bool, int, int]) -> None:
         """A plain mean again from the depth's next step, of what it takes now."""

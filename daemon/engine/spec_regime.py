@@ -17,6 +17,12 @@ depth's own mean. By tokens, because the spell's extra grew with them: at 16 str
 depth-0 step and 2.03 for 29.2 a depth-1 step (one instance's spells); at one row 0.08, 0.34 and 0.56 ms for
 1.1, 1.8 and 2.5 tokens at depths 0-2.
 
+A depth that ran a spell of its own lately is priced by what serving added in it instead (`Regime.settled`): the
+power is one constant and the spells measured 0 to 0.98, and either error strands the policy (a shallower depth
+priced from a deeper spell looks dearer than it is at too low a power, a deeper one from a shallower spell at too
+high a one). Only the steps after the spell's first STEPS: the host settles to a spell over its steps (the tests'
+synthetic host over the last 32), and a mean of every step of a spell just begun carries the spell before it.
+
 NOTE: not with what a probe's steps added beyond the spell's mean on top: a probe's first steps carry a
 switch's cost too. At 4 streams depth-1 steps right after depth-0 spells added 1.04 ms, 0.81 in their own
 spells, and depth 0 after depth 1 0.75 against 0.57; kept as an offset on the scaled price, it priced
@@ -26,6 +32,7 @@ k1.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 # NOTE: what a spell's decode steps take beyond the curves grew as its tokens a step to this power: in ten
@@ -43,8 +50,9 @@ TOKENS_POWER = 0.5
 
 class Regime:
     """One cell's spell: the depth most of its first STEPS // 2 decode steps ran, then the last depth that ran
-    more than half of its last STEPS (None before); and the share of what serving adds that is the device thread
-    slowed down.
+    more than half of its last STEPS (None before); the share of what serving adds that is the device thread
+    slowed down; and per depth, what serving added to its settled steps (those whose last STEPS steps all ran
+    it), while recent.
 
     NOTE: more than half, so that a probe ends inside the spell it interrupts: with the depth most of the last
     STEPS ran, a 16-step probe's last step tied 16 to 16, the tie went to the depth the cell ran first, and for
@@ -52,6 +60,10 @@ class Regime:
 
     STEPS = 32  # NOTE: twice a probe (ServingExtra.MIN_SAMPLES): a probe never becomes the spell
     SHARE_WEIGHT = 0.02  # of a step, for the slowed share: as ServingExtra.WEIGHT
+    # NOTE: a depth's settled mean (`settled`) prices it for this many of the cell's decode steps after its
+    # last settled step, and needs this many settled steps first (as ServingExtra.STALE_STEPS, MIN_SAMPLES)
+    SETTLED_STALE_STEPS = 1000
+    SETTLED_MIN_STEPS = 16
 
     def __init__(self) -> None:
         self._recent: deque[int] = deque(maxlen=self.STEPS)
@@ -60,13 +72,19 @@ class Regime:
         self._extra = 0.0  # running means of what serving adds and of the device thread's part of it
         self._slowed = 0.0
         self._steps = 0
+        self._settled: dict[int, float] = {}  # by depth: the running mean of what serving added to its settled steps
+        self._settled_var: dict[int, float] = {}  # the spread of its settled steps about that mean
+        self._settled_count: dict[int, int] = {}
+        self._settled_at: dict[int, int] = {}  # `_steps` at its last settled step
 
     @property
     def depth(self) -> int | None:
         return self._spell
 
-    def ran(self, depth: int) -> None:
-        """A decode step of the cell ran at `depth`."""
+    def ran(self, depth: int, extra: float | None = None) -> None:
+        """A decode step of the cell ran at `depth` (`extra`: its period less the curves, if measured)."""
+        if extra is not None and self._counts.get(depth) == self.STEPS:
+            self._observe_settled(depth, extra)
         if len(self._recent) == self.STEPS:
             gone = self._recent[0]
             self._counts[gone] -= 1
@@ -77,6 +95,41 @@ class Regime:
                 self._spell = max(self._counts, key=self._counts.__getitem__)
         elif 2 * count > len(self._recent):  # NOTE: only the depth that just ran can have come to a majority
             self._spell = depth
+
+    def _observe_settled(self, depth: int, extra: float) -> None:
+        """A step at `depth` whose last STEPS steps all ran it: what serving added, into the depth's settled mean
+        (afresh if that had gone stale)."""
+        if not self._settled_recent(depth):
+            self.restart(depth)
+        count = self._settled_count[depth] = self._settled_count.get(depth, 0) + 1
+        mean = self._settled.get(depth, extra) if count > 1 else extra
+        weight = max(1.0 / count, self.SHARE_WEIGHT)
+        self._settled[depth] = mean + weight * (extra - mean)
+        var = self._settled_var.get(depth, 0.0) if count > 1 else 0.0
+        self._settled_var[depth] = (1.0 - weight) * (var + weight * (extra - mean) ** 2)
+        self._settled_at[depth] = self._steps
+
+    def restart(self, depth: int) -> None:
+        """The depth's settled mean starts afresh from its next settled step."""
+        self._settled_count[depth] = 0
+
+    def _settled_recent(self, depth: int) -> bool:
+        at = self._settled_at.get(depth)
+        return at is not None and self._steps - at <= self.SETTLED_STALE_STEPS
+
+    def settled(self, depth: int) -> float | None:
+        """What serving added to this depth's decode steps in spells of its own, once the host had settled to
+        them (the cell's last STEPS steps all at this depth), while recent; else None."""
+        if self._settled_count.get(depth, 0) < self.SETTLED_MIN_STEPS or not self._settled_recent(depth):
+            return None
+        return self._settled[depth]
+
+    def settled_error(self, depth: int) -> float:
+        """The standard error of the depth's settled mean (as `settled`: 0 where there is none)."""
+        if self.settled(depth) is None:
+            return 0.0
+        samples = min(self._settled_count[depth], 2.0 / self.SHARE_WEIGHT - 1.0)
+        return math.sqrt(self._settled_var[depth] / samples)
 
     def observe_share(self, extra: float, slowed: float) -> None:
         """A decode step's extra (period less the curves) and the device thread's part of it (its own time

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import worth_pricing
+from mtpserve.engine.spec_regime import Regime
 
 # NOTE: a depth not run lately at these rows is priced with what serving adds to the depth in use's steps
 # (spec_extra.py), and that can be off by more than the margin: at 64 streams on code (256-token prompts),
@@ -25,6 +26,13 @@ from mtpserve.engine.spec_policy import worth_pricing
 # kept it for the whole visit (two of three rounds; with the shallower probe, none: 1.02-1.06x the served
 # tokens a second, side by side).
 PRICE_BAND = 0.10
+# NOTE: a seek runs its depth long enough for the host to settle to it and for a settled mean of its own
+# (spec_regime.Regime.settled): what serving adds follows the spell a step runs in, not the step's depth. At 64
+# streams on code (an AMD EPYC host), depth 1 was priced from depth 0's spell at 11.6 ms over the curves where
+# its own spells added ~7.4 (depth 0's ~8.0): its decode steps emitted 16% more a second than depth 0's, run
+# in turn in one process, and a 16-step seek left it priced 4.4 ms (15%) high; the policy ran depth 0 for
+# 95-98% of rows and served 0.905 of k1.
+SEEK_STEPS = Regime.STEPS + Regime.SETTLED_MIN_STEPS
 # NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
 # of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
 # step), 0.56-0.88 ms at 64 (3-5%), where the margin is 5% and the depths differed by 2-9%.

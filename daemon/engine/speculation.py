@@ -26,7 +26,7 @@ from mtpserve.engine.spec_hope import Hopes
 from mtpserve.engine.spec_learning import Acceptances
 from mtpserve.engine.spec_load import PlanLoad, decode_loads, plan_load
 from mtpserve.engine.spec_policy import depth_rates, expected_tokens, is_clear, pick_depth, row_drafts, step_tokens
-from mtpserve.engine.spec_seek import depth_to_price, doubt_seconds
+from mtpserve.engine.spec_seek import SEEK_STEPS, depth_to_price, doubt_seconds
 from mtpserve.engine.spec_stats import InstanceAcceptance, SlotAcceptance, first_doubt
 from mtpserve.engine.spec_traffic import Traffic
 from mtpserve.engine.step_plan import StepTiming
@@ -316,8 +316,8 @@ class Speculation:
 
         NOTE: held with no slot cost, so the held steps keep every row's full window."""
         self.extra.seek(num_emitting, sought)
-        steps = ServingExtra.MIN_SAMPLES - (depth == sought)  # NOTE: as many decode steps at `sought`
-        self._held = Hold(num_emitting, steps, sought, 0.0, ServingExtra.MIN_SAMPLES, sought=True)
+        steps = SEEK_STEPS - (depth == sought)  # NOTE: as many decode steps at `sought`
+        self._held = Hold(num_emitting, steps, sought, 0.0, SEEK_STEPS, sought=True)
         return np.maximum(np.minimum(caps, depth), floors)
 
     def _beside_seek(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ from mtpserve.engine.spec_cost import StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.spec_regime import TOKENS_POWER
+from mtpserve.engine.spec_seek import SEEK_STEPS
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams
@@ -55,12 +56,12 @@ def test_a_deeper_depth_priced_with_what_serving_adds_to_the_depth_in_use_is_run
 
 def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_and_one_far_worse_never():
     """Where depth 1 costs what its borrowed price says (serving adds 0.3 ms to every depth), the steps that
-    price it are at most one run of MIN_SAMPLES per STALE_STEPS; where its drafts are rarely accepted (random
+    price it are at most one seek (SEEK_STEPS) per STALE_STEPS; where its drafts are rarely accepted (random
     words), it is not within the band, and never runs."""
     spec = profiled(0.4)
     spec._depth = 0
     ran = serve_one_row(spec, 3000, {d: 0.3 for d in range(K + 1)})
-    assert 0 < len(ran) - ran.count(0) <= 3 * ServingExtra.MIN_SAMPLES
+    assert 0 < len(ran) - ran.count(0) <= 3 * SEEK_STEPS
     spec = profiled(0.05)
     spec._depth = 0
     assert set(serve_one_row(spec, 3000, {0: 0.3, 1: 0.0, 2: 0.0, 3: 0.0})) == {0}
@@ -68,8 +69,8 @@ def test_a_deeper_depth_that_is_not_better_is_run_for_its_price_once_in_a_while_
 
 def test_a_deeper_depth_priced_by_a_few_noisy_steps_is_not_taken_on_their_noise():
     """Depth 1 is 3% slower than depth 0 here, and each step's period wanders by 0.5 ms (40% of a depth-1
-    step; at 4 streams on code, 16 steps' mean of what serving adds spread 13-21% of a step). A seek's 16
-    steps then look 5% better often enough that, taken at their word, the policy went deeper after some seeks
+    step; at 4 streams on code, 16 steps' mean of what serving adds spread 13-21% of a step). A seek's
+    settled steps then look 5% better often enough that, taken at their word, the policy went deeper after some seeks
     in every run (and stayed there up to STALE_STEPS: depth 0's price is the one it had when it looked worst);
     taken DOUBT standard errors high, it stays at depth 0 but for the seeks in most runs."""
     runs = []
@@ -79,15 +80,19 @@ def test_a_deeper_depth_priced_by_a_few_noisy_steps_is_not_taken_on_their_noise(
         ran = serve_one_row(spec, 6000, {d: 0.3 for d in range(K + 1)}, noise_ms=0.5, seed=seed)
         runs.append(len(ran) - ran.count(0))
     assert min(runs) > 0  # sought
-    assert np.median(runs) <= 6 * ServingExtra.MIN_SAMPLES  # sought once in STALE_STEPS, and no more
+    assert np.median(runs) <= 6 * SEEK_STEPS  # sought once in STALE_STEPS, and no more
 
 
 def test_a_deeper_depth_that_is_better_is_taken_through_the_noise():
-    """The seek test above with that noise: depth 1 16% better is still served."""
-    spec = profiled(0.4)
-    spec._depth = 0
-    ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05}, noise_ms=0.5)
-    assert ran[1000:].count(1) >= 0.85 * 2000
+    """The seek test above with that noise: depth 1 16% better is still served, by the median of eight noise
+    draws (one seek's mean is a draw: a seed whose seeks all read high keeps depth 0 until a later one)."""
+    served = []
+    for seed in range(8):
+        spec = profiled(0.4)
+        spec._depth = 0
+        ran = serve_one_row(spec, 3000, {0: 0.3, 1: 0.05, 2: 0.05, 3: 0.05}, noise_ms=0.5, seed=seed)
+        served.append(ran[1000:].count(1))
+    assert np.median(served) >= 0.75 * 2000
 
 
 def with_chunk(plan: SchedulePlan, tokens: int = 64) -> SchedulePlan:
@@ -121,7 +126,7 @@ def test_a_seek_runs_the_depth_in_use_over_the_prompt_chunks_of_its_steps():
             load = StepLoad(depth + 1, 1, depth, False, 1, (depth + 1) * (301 + depth))
         spec.observe(load, (target + drafts + added) * 1e-3, StepTiming(target * 1e-3, drafts * 1e-3))
     assert all(depth == in_use for depth, in_use in beside)
-    assert ran[:40].count(1) >= ServingExtra.MIN_SAMPLES  # the seek's decode steps
+    assert ran[:2 * SEEK_STEPS].count(1) >= SEEK_STEPS  # the seek's decode steps
     assert ran[700:].count(1) >= 0.9 * len(ran[700:])
 
 
@@ -133,7 +138,8 @@ def test_a_depth_left_on_a_burst_of_host_load_is_served_again(burst):
     it is worth (spec_extra.ServingExtra.suspect)."""
     spec = profiled(0.6)
     ran = np.array(serve_one_row(spec, 5000, {d: 0.3 for d in range(K + 1)}, burst=burst))
-    assert (ran[2000:] != 1).sum() <= 3 * ServingExtra.MIN_SAMPLES  # the seeks of depth 2, once in STALE_STEPS
+    # NOTE: the seeks of depth 2, once in STALE_STEPS, and the few steps the burst itself moved the policy
+    assert (ran[2000:] != 1).sum() <= 4 * SEEK_STEPS
 
 
 
@@ -187,3 +193,14 @@ def test_on_a_host_whose_power_is_not_the_policy_s_the_policy_serves_near_the_be
     fixed = [serve_slowed(profiled(acceptance), 3000, 0.8, 3000, power, pinned=depth)[1] for depth in range(K + 1)]
     _, served = serve_slowed(profiled(acceptance), 3000, 0.8, first=200, power=power)
     assert served >= 0.95 * max(fixed)
+
+
+@pytest.mark.parametrize("acceptance", [0.7, 0.8])
+def test_a_depth_that_ran_a_settled_spell_of_its_own_lately_is_priced_by_it(acceptance):
+    """On a host of power 1 (the policy assumes 0.5; a 16-stream spell measured 0.98) a depth priced from a
+    deeper spell looks dearer than it is, and from a shallower one cheaper: the policy served depth 2 at 0.949
+    and 0.974 of depth 1 here. A depth that ran a spell of its own lately is priced by what serving added in it
+    once the host had settled (spec_regime.Regime.settled), and the policy serves within 2% of the best."""
+    fixed = [serve_slowed(profiled(acceptance), 3000, 0.8, 3000, 1.0, pinned=depth)[1] for depth in range(K + 1)]
+    _, served = serve_slowed(profiled(acceptance), 3000, 0.8, first=200, power=1.0)
+    assert served >= 0.98 * max(fixed)

@@ -40,3 +40,29 @@ def test_a_depth_that_never_holds_a_majority_does_not_take_the_spell():
         for depth in (0, 1, 2):
             regime.ran(depth)
     assert regime.depth == 0
+
+
+def served(regime: Regime, depth: int, steps: int, extra: float) -> None:
+    """`steps` decode steps at `depth`, each adding `extra` to the curves."""
+    for _ in range(steps):
+        regime.observe_share(extra, extra)
+        regime.ran(depth, extra)
+
+
+def test_a_depth_s_settled_mean_takes_only_steps_after_a_window_of_it():
+    """The host settles to a spell over its steps: a depth's settled mean takes what serving added once the
+    cell's last STEPS steps all ran it, not the steps of the switch to it, and lasts SETTLED_STALE_STEPS."""
+    regime = Regime()
+    served(regime, 0, Regime.STEPS, 5.0)  # the switch: the window is not yet all depth 0
+    served(regime, 0, Regime.SETTLED_MIN_STEPS - 1, 1.0)
+    assert regime.settled(0) is None  # too few settled steps
+    served(regime, 0, 1, 1.0)
+    assert regime.settled(0) == 1.0
+    served(regime, 1, Regime.STEPS, 9.0)  # depth 1's switch, not settled yet
+    assert regime.settled(1) is None and regime.settled(0) == 1.0
+    served(regime, 1, Regime.SETTLED_MIN_STEPS, 3.0)
+    assert regime.settled(1) == 3.0
+    served(regime, 1, Regime.SETTLED_STALE_STEPS - Regime.STEPS - Regime.SETTLED_MIN_STEPS, 3.0)
+    assert regime.settled(0) == 1.0
+    served(regime, 1, 1, 3.0)
+    assert regime.settled(0) is None  # stale: the host may have moved since
