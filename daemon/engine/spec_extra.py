@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from mtpserve.engine.spec_regime import TOKENS_POWER, Regime
+from mtpserve.engine.spec_regime import TOKENS_POWER, Regime, moments, standard_error
 
 
 class ServingExtra:
@@ -116,12 +116,9 @@ class ServingExtra:
         self._suspect_first.discard(own)
         if not self._is_recent(own):
             self._restart(own)
-        deviation = extra - self._depth_mean.get(own, extra)
-        _update(self._depth_mean, self._depth_count, own, extra, self.WEIGHT)
-        count = self._depth_count[own]
-        weight = max(1.0 / count, self.WEIGHT)
-        var = self._depth_var.get(own, 0.0) if count > 1 else 0.0
-        self._depth_var[own] = (1.0 - weight) * (var + weight * deviation * deviation)
+        count = self._depth_count[own] = self._depth_count.get(own, 0) + 1
+        self._depth_mean[own], self._depth_var[own] = moments(
+            self._depth_mean.get(own, extra), self._depth_var.get(own, 0.0), count, extra, self.WEIGHT)
         self._depth_past[own].append(self._depth_mean[own])
         self._depth_period[own] = seconds
         self._depth_seen[own] = self._count[key]
@@ -222,8 +219,7 @@ class ServingExtra:
         return self._standard_error(own) if self._has_own(own) else 0.0
 
     def _standard_error(self, own: tuple[bool, int, int]) -> float:
-        samples = min(self._depth_count[own], 2.0 / self.WEIGHT - 1.0)
-        return math.sqrt(self._depth_var[own] / samples)
+        return standard_error(self._depth_var[own], self._depth_count[own], self.WEIGHT)
 
     def borrowed(self, num_emitting: int, depth: int, lender: int) -> bool:
         """Whether decode steps at this depth are priced here with a mean the `lender` depth taught: they

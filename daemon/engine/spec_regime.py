@@ -58,7 +58,9 @@ class Regime:
     STEPS ran, a 16-step probe's last step tied 16 to 16, the tie went to the depth the cell ran first, and for
     that step the probe's depth was the spell (its own price, not the spell's, priced the depth in use)."""
 
-    STEPS = 32  # NOTE: twice a probe (ServingExtra.MIN_SAMPLES): a probe never becomes the spell
+    # NOTE: twice ServingExtra.MIN_SAMPLES: a probe that short never becomes the spell. A seek (spec_seek.SEEK_STEPS)
+    # does, and leaves a settled mean for its depth; the depth in use has one from its own spell.
+    STEPS = 32
     SHARE_WEIGHT = 0.02  # of a step, for the slowed share: as ServingExtra.WEIGHT
     # NOTE: a depth's settled mean (`settled`) prices it for this many of the cell's decode steps after its
     # last settled step, and needs this many settled steps first (as ServingExtra.STALE_STEPS, MIN_SAMPLES)
@@ -102,11 +104,8 @@ class Regime:
         if not self._settled_recent(depth):
             self.restart(depth)
         count = self._settled_count[depth] = self._settled_count.get(depth, 0) + 1
-        mean = self._settled.get(depth, extra) if count > 1 else extra
-        weight = max(1.0 / count, self.SHARE_WEIGHT)
-        self._settled[depth] = mean + weight * (extra - mean)
-        var = self._settled_var.get(depth, 0.0) if count > 1 else 0.0
-        self._settled_var[depth] = (1.0 - weight) * (var + weight * (extra - mean) ** 2)
+        self._settled[depth], self._settled_var[depth] = moments(
+            self._settled.get(depth, extra), self._settled_var.get(depth, 0.0), count, extra, self.SHARE_WEIGHT)
         self._settled_at[depth] = self._steps
 
     def restart(self, depth: int) -> None:
@@ -128,8 +127,7 @@ class Regime:
         """The standard error of the depth's settled mean (as `settled`: 0 where there is none)."""
         if self.settled(depth) is None:
             return 0.0
-        samples = min(self._settled_count[depth], 2.0 / self.SHARE_WEIGHT - 1.0)
-        return math.sqrt(self._settled_var[depth] / samples)
+        return standard_error(self._settled_var[depth], self._settled_count[depth], self.SHARE_WEIGHT)
 
     def observe_share(self, extra: float, slowed: float) -> None:
         """A decode step's extra (period less the curves) and the device thread's part of it (its own time
@@ -145,3 +143,17 @@ class Regime:
         if self._extra <= 0.0:
             return 0.0
         return min(max(self._slowed / self._extra, 0.0), 1.0)
+
+
+def moments(mean: float, var: float, count: int, value: float, weight: float) -> tuple[float, float]:
+    """A running mean and the spread of its values about it after `value`, its `count`-th since it (re)started:
+    a plain mean at first, then one that follows its last ~1/weight values."""
+    weight = max(1.0 / count, weight)
+    deviation = value - mean
+    return mean + weight * deviation, (1.0 - weight) * (var + weight * deviation * deviation)
+
+
+def standard_error(var: float, count: int, weight: float) -> float:
+    """The standard error of a `moments` mean of `count` values: their spread over the values it holds (at most
+    2 / weight - 1 of them)."""
+    return math.sqrt(var / min(count, 2.0 / weight - 1.0))
