@@ -136,19 +136,31 @@ class ServingExtra:
         a step's expected emitted tokens by depth): by what serving added in the depth's own settled spells where
         they are recent (spec_regime.Regime.settled); else as `seconds` prices it, but for a depth other than the
         spell's the device thread's slowed share is the spell depth's own mean scaled by
-        the ratio of the depth's tokens to the spell depth's, to TOKENS_POWER. Never below 0."""
+        the ratio of the depth's tokens to the spell depth's, to TOKENS_POWER (`lender`). Never below 0."""
         own = self.seconds(num_emitting, depth=depth)
         cell = self.bucket(num_emitting)
         regime = self._regimes.get(cell)
         settled = regime.settled(depth) if regime is not None else None
         if settled is not None:
             return max(settled, 0.0)
-        spell = regime.depth if regime is not None else None
-        if regime is None or spell is None or spell == depth or not self._has_own((False, cell, spell)):
+        spell = self.lender(num_emitting, depth)
+        if regime is None or spell is None:
             return own
         scale = (tokens(depth) / max(tokens(spell), 1e-9)) ** TOKENS_POWER
         share = regime.slowed_share
         return (1.0 - share) * own + share * max(self._depth_mean[(False, cell, spell)], 0.0) * scale
+
+    def lender(self, num_emitting: int, depth: int) -> int | None:
+        """The spell's depth where `priced` prices this depth's decode steps at these rows partly from its mean
+        (the depth has no recent settled mean, the spell is another depth's, and the device thread is slowed in
+        it), else None."""
+        regime = self._regimes.get(self.bucket(num_emitting))
+        if regime is None or regime.settled(depth) is not None or regime.slowed_share <= 0.0:
+            return None
+        spell = regime.depth
+        if spell is None or spell == depth or not self._has_own((False, self.bucket(num_emitting), spell)):
+            return None
+        return spell
 
     def _leave(self, key: tuple[bool, int], depth: int) -> None:
         """A step at `depth` in this cell: the depth its last step ran, if another, is left, and suspect if

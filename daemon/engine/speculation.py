@@ -46,6 +46,7 @@ class Speculation:
         self.measured_seconds = 0.0
         self._held: Hold | None = None  # the last decision, while it holds
         self._by_rows: dict[int, Hold] = {}  # the last decision at each count of emitting rows
+        self._seeks: dict[int, Hold] = {}  # the last seek in each half octave of emitting rows (ServingExtra.bucket)
         self.hopes = Hopes()
         self.forced: int | None = None  # the start-up profile pins every row's drafts
         self.rows_by_drafts = np.zeros(max_drafts + 1, np.int64)  # rows that chose k, for /metrics
@@ -198,11 +199,23 @@ class Speculation:
         return drafts
 
     def _resume(self, num_emitting: int) -> Hold | None:
-        """The last decision at exactly these rows, the one that holds again if it has steps left.
+        """A seek in these rows' half octave that has steps left, else the last decision at exactly these rows,
+        the one that holds again if it has steps left.
 
         NOTE: at four streams the rows that emit went 4, 3, 4 as requests ended and new ones began, and a
         decision at each return to 4 was one step in 12 (~200 us each): where nothing drafts (random words),
-        the K=3 runner pinned to depth 0 ran 4% faster than adaptive in one process."""
+        the K=3 runner pinned to depth 0 ran 4% faster than adaptive in one process.
+
+        NOTE: a seek, whenever the rows come back: cut short, its depth is left with a mean of a spell just begun
+        and no settled one (spec_regime.Regime.settled), and is not sought again for STALE_STEPS. In the stepped
+        load's first 64-stream phase, the first wave of requests to end took the rows to ~50 (another half
+        octave) 35 steps into a seek of depth 1; depth 1 was then priced from depth 0's spell, 8.6 ms of serving
+        against the ~5 its own steps had added, and depth 0 ran the next 123 steps (4,800 tok/s against depth
+        1's 5,500)."""
+        seek = self._seeks.get(ServingExtra.bucket(num_emitting))
+        if seek is not None and seek.steps:
+            self._held = seek
+            return seek
         resumed = self._by_rows.get(num_emitting)
         # NOTE: within twice its length: a decision from before a long spell at other rows is not resumed
         if resumed is not None and resumed.steps and self._steps - resumed.at < 2 * resumed.length:
@@ -211,12 +224,14 @@ class Speculation:
 
     def _admit(self, inserts: tuple[Request, ...]) -> None:
         """New requests start from the instance's estimate, or a hopeful one from the first prior (spec_hope.py);
-        a hope ends the decision that holds."""
+        a hope ends the decision that holds, unless it is a seek: a seek runs its depth for its price, not for
+        the rows' estimates, and ended, it leaves the depth unpriced (`_resume`)."""
         doubt = first_doubt(self.instance.rates())
         hopeful = self.hopes.admit(len(inserts), doubt, self.max_drafts)
         self.requests.reset(np.array([request.slot_id for request in inserts], np.int64), hopeful=hopeful)
         if hopeful.any() and self._held is not None and doubt < self.max_drafts:
-            self._held.steps = 0  # NOTE: a hope is news: the held depth was decided without it
+            if not self._held.sought:
+                self._held.steps = 0  # NOTE: a hope is news: the held depth was decided without it
             for hold in self._by_rows.values():
                 hold.steps = 0
 
@@ -260,8 +275,17 @@ class Speculation:
         per_second = depth_rates(emitted, shallowest, period)
         cautious = depth_rates(emitted, shallowest,
                                lambda d: period(d) + doubt_seconds(self.extra, len(caps_e), d, self._depth))
-        depth = self._depth = pick_depth(cautious, self._depth, SWITCH_MARGIN)
-        sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
+        was, depth = self._depth, pick_depth(cautious, self._depth, SWITCH_MARGIN)
+        self._depth = depth
+        # NOTE: a depth switched to on a price lent by the spell's depth (ServingExtra.lender) is run as a seek, long
+        # enough to leave a settled mean: when the spell turned to it, the lent price went, and its own mean from
+        # a spell just begun priced it again. On a host of power 0, whenever the depth left had a settled mean and
+        # the other none, the policy went to the other on the lent price and back ~24 steps later, ~20 times in
+        # 1,000 steps, neither spell settling (0.962-0.976 of the best fixed depth; one settled trip: 0.99).
+        if depth != was and self.extra.lender(len(caps_e), depth) is not None:
+            sought: int | None = depth
+        else:
+            sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
         if self.trace is not None:
             self.trace.decision(len(caps_e), depth if sought is None else sought, range(self.max_drafts + 1),
                                 (emitted.__getitem__, period, prompts, extra))
@@ -317,7 +341,8 @@ class Speculation:
         NOTE: held with no slot cost, so the held steps keep every row's full window."""
         self.extra.seek(num_emitting, sought)
         steps = SEEK_STEPS - (depth == sought)  # NOTE: as many decode steps at `sought`
-        self._held = Hold(num_emitting, steps, sought, 0.0, SEEK_STEPS, sought=True)
+        self._held = self._seeks[ServingExtra.bucket(num_emitting)] = Hold(
+            num_emitting, steps, sought, 0.0, SEEK_STEPS, at=self._steps, sought=True)
         return np.maximum(np.minimum(caps, depth), floors)
 
     def _beside_seek(self, plan: SchedulePlan, slots: np.ndarray, caps: np.ndarray) -> np.ndarray:
