@@ -277,15 +277,7 @@ class Speculation:
                                lambda d: period(d) + doubt_seconds(self.extra, len(caps_e), d, self._depth))
         was, depth = self._depth, pick_depth(cautious, self._depth, SWITCH_MARGIN)
         self._depth = depth
-        # NOTE: a depth switched to on a price lent by the spell's depth (ServingExtra.lender) is run as a seek, long
-        # enough to leave a settled mean: when the spell turned to it, the lent price went, and its own mean from
-        # a spell just begun priced it again. On a host of power 0, whenever the depth left had a settled mean and
-        # the other none, the policy went to the other on the lent price and back ~24 steps later, ~20 times in
-        # 1,000 steps, neither spell settling (0.962-0.976 of the best fixed depth; one settled trip: 0.99).
-        if depth != was and self.extra.lender(len(caps_e), depth) is not None:
-            sought: int | None = depth
-        else:
-            sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra)
+        sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra, was)
         if self.trace is not None:
             self.trace.decision(len(caps_e), depth if sought is None else sought, range(self.max_drafts + 1),
                                 (emitted.__getitem__, period, prompts, extra))
@@ -296,15 +288,24 @@ class Speculation:
         # NOTE: what serving adds is per step: a window token costs its device seconds
         slot_cost = step_rate * self.costs.device_token_seconds(loads[depth])
         drafts[emits] = row_drafts(rates, depth, caps_e, floors, slot_cost)
-        # NOTE: a decision that has a hopeful request draft the depth it hopes for rests on one window's
-        # worth of hope, and the next verdict is worth deciding on. Held for HOLD_STEPS, every hopeful
-        # request on random words drafted eight windows, all rejected, and each such step ran its MTP
-        # depth for every row: 2% of steps at four streams.
-        chosen = np.where(drafts[emits] > floors, drafts[emits], 0)  # a pinned row's drafts are no hope
-        hoping = self.requests.hoping(slots[emits], chosen, prior)
-        self._fade(slots[emits], drafts[emits], rates, prior)
-        self._hold(held, depth, len(caps_e), is_clear(per_second, depth, SWITCH_MARGIN), hoping, slot_cost)
+        self._decided(held, depth, slots[emits], drafts[emits], floors, rates, prior,
+                      is_clear(per_second, depth, SWITCH_MARGIN), slot_cost)
         return drafts
+
+    def _decided(self, held: Hold | None, depth: int, slots: np.ndarray, drafts: np.ndarray, floors: np.ndarray,
+                 rates: np.ndarray, prior: np.ndarray, clear: bool, slot_cost: float) -> None:
+        """After a decision at `depth` (`held`: the last one) for the emitting rows (their slots, drafts, floors
+        and estimates): the rows' estimates fade (`_fade`) and the decision holds (`_hold`), for no steps while a
+        request hopes.
+
+        NOTE: a decision that has a hopeful request draft the depth it hopes for rests on one window's worth of
+        hope, and the next verdict is worth deciding on. Held for HOLD_STEPS, every hopeful request on random
+        words drafted eight windows, all rejected, and each such step ran its MTP depth for every row: 2% of
+        steps at four streams."""
+        chosen = np.where(drafts > floors, drafts, 0)  # a pinned row's drafts are no hope
+        hoping = self.requests.hoping(slots, chosen, prior)
+        self._fade(slots, drafts, rates, prior)
+        self._hold(held, depth, len(slots), clear, hoping, slot_cost)
 
     def _fade(self, slots: np.ndarray, drafts: np.ndarray, rates: np.ndarray, prior: np.ndarray) -> None:
         """After a decision, for the emitting rows (their slots, drafts, estimates): the requests it gave no drafts
