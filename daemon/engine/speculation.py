@@ -273,14 +273,16 @@ class Speculation:
 
         shallowest = int(floors.max(initial=0))
         per_second = depth_rates(emitted, shallowest, period)
-        cautious = depth_rates(emitted, shallowest,
-                               lambda d: period(d) + doubt_seconds(self.extra, len(caps_e), d, self._depth))
+        def doubt(depth: int) -> float:
+            return doubt_seconds(self.extra, len(caps_e), depth, self._depth)
+
+        cautious = depth_rates(emitted, shallowest, lambda d: period(d) + doubt(d))
         was, depth = self._depth, pick_depth(cautious, self._depth, SWITCH_MARGIN)
         self._depth = depth
         sought = depth_to_price(self.extra, per_second, depth, len(caps_e), period, extra, was)
         if self.trace is not None:
             self.trace.decision(len(caps_e), depth if sought is None else sought, range(self.max_drafts + 1),
-                                (emitted.__getitem__, period, prompts, extra))
+                                (emitted.__getitem__, period, prompts, extra, doubt))
         if sought is not None:
             drafts[emits] = self._seek_price(len(caps_e), depth if chunk else sought, caps_e, floors, sought)
             return drafts

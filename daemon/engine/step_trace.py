@@ -3,8 +3,9 @@
 - `MTP_STEP_TRACE=<prefix>`: each rank process appends one line per finished step to `<prefix>.<pid>`:
   the time, what the step computed (`StepLoad`), its period, the device thread's times, what the cost
   model made of it, and the tokens it emitted (`COLUMNS`); and a `#d` line per decision of the policy:
-  the rows that emit, the depth chosen, and per depth the expected tokens, the priced period, the
-  prompts' share of it and what serving adds to it.
+  the rows that emit, the depth chosen (or sought), and per depth the expected tokens, the priced period,
+  the prompts' share of it, what serving adds to it and what caution adds for the choice (a deeper depth's
+  price is taken some standard errors high).
 - `MTP_DEPTH_SCHEDULE=<depth>x<steps>,...` (e.g. `0x60,1x10,0x60,1x60`): every step's drafts are capped
   at the schedule's depth, in a cycle, instead of the policy's choice; with the trace, steady runs of each
   depth and short excursions to another can be compared in one process, at one moment of the host.
@@ -30,8 +31,9 @@ SCHEDULE_ENV = "MTP_DEPTH_SCHEDULE"
 COLUMNS = ("time", "tokens", "rows", "emitting", "depth", "prefill", "context", "period_ms", "target_ms",
            "draft_ms", "quiet_ms", "predicted_ms", "emitted")
 # NOTE: a decision's figures as functions of the depth: the expected tokens, the priced period, the prompts'
-# share of it and what serving adds to it
-Prices = tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float], Callable[[int], float]]
+# share of it, what serving adds to it, and what caution adds to it for the choice (spec_seek.doubt_seconds)
+Prices = tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float], Callable[[int], float],
+               Callable[[int], float]]
 
 
 class StepTrace:
@@ -51,10 +53,10 @@ class StepTrace:
         self._out.flush()
 
     def decision(self, num_emitting: int, depth: int, depths: range, prices: Prices) -> None:
-        """Per depth: expected tokens / priced period / the prompts' share of it / what serving adds (ms)."""
-        tokens, periods, prompts, extras = ([price(d) for d in depths] for price in prices)
-        figures = " ".join(f"{t:.1f}/{p * 1e3:.2f}/{q * 1e3:.2f}/{e * 1e3:.2f}"
-                           for t, p, q, e in zip(tokens, periods, prompts, extras))
+        """Per depth: expected tokens / priced period / the prompts' share of it / what serving adds / caution (ms)."""
+        tokens, periods, prompts, extras, doubts = ([price(d) for d in depths] for price in prices)
+        figures = " ".join(f"{t:.1f}/{p * 1e3:.2f}/{q * 1e3:.2f}/{e * 1e3:.2f}/{c * 1e3:.2f}"
+                           for t, p, q, e, c in zip(tokens, periods, prompts, extras, doubts))
         self._out.write(f"#d {time.monotonic():.4f} {num_emitting} {depth} {figures}\n")
 
     def record(self, load: StepLoad, period: float, timing: StepTiming | None, quiet: float, predicted: float,

@@ -69,7 +69,8 @@ def test_the_trace_writes_a_line_per_step_and_a_comment_per_decision_that_the_su
     steps = [line.split() for line in lines if not line.startswith("#")]
     decisions = [line.split() for line in lines if line.startswith("#d")]
     assert len(steps) == 200 and all(len(fields) == len(COLUMNS) for fields in steps)
-    assert decisions and all(len(fields) == 4 + 4 for fields in decisions)  # rows, depth, a figure per depth
+    assert decisions and all(len(fields) == 4 + 4 for fields in decisions)  # rows, depth, figures per depth
+    assert all(len(figure.split("/")) == 5 for fields in decisions for figure in fields[4:])
     assert {int(fields[3]) for fields in steps} == {64, 1}  # the emitting rows column
     summary = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "trace"), "--gap", "100"],
                              capture_output=True, text=True, check=True).stdout
