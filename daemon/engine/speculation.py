@@ -273,7 +273,9 @@ class Speculation:
 
         shallowest = int(floors.max(initial=0))
         per_second = depth_rates(emitted, shallowest, period)
+
         def doubt(depth: int) -> float:
+            """What caution adds to a depth's price for the choice (and the trace)."""
             return doubt_seconds(self.extra, len(caps_e), depth, self._depth)
 
         cautious = depth_rates(emitted, shallowest, lambda d: period(d) + doubt(d))
