@@ -71,11 +71,18 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
 
 def doubt_seconds(extra: ServingExtra, num_emitting: int, depth: int, current: int) -> float:
     """What a depth other than the one in use (`current`) has its price taken high by: DOUBT standard errors
-    of its own mean.
+    of its own mean, for a deeper depth always and for a shallower one while its mean is young
+    (ServingExtra.young: a seek's).
 
-    NOTE: a shallower one too. Taken at its word, a seek's mean that read low by chance had the policy go
+    NOTE: a young shallower one too. Taken at its word, a seek's mean that read low by chance had the policy go
     shallower at once, and back only past the margin and its own doubt: at one stream on code, depth 1 ran
     5-27% of an instance's rows where k1 served 0.81 of k3; in the synthetic test of this (depth 1 5.6%
     slower than depth 2, a step wandering by 0.6-1.0 ms) it ran a median 660-920 of 5,500 steps where its
-    seeks are 240 (tests/engine/test_spec_pricing_served.py)."""
-    return DOUBT * extra.uncertainty(num_emitting, depth) if depth != current else 0.0
+    seeks are 240 (tests/engine/test_spec_pricing_served.py).
+    NOTE: not a shallower one whose mean is full: the depth that ran for long before the policy went deeper is
+    the way back. At one stream on random words, depth 1 taken on a stale price (0.99 ms over the curves where
+    depth 0's steps had risen to 1.96) was kept for ~2 s where depth 0 priced 13% better: depth 0's full mean
+    had a doubt of 0.83 ms on a noisy host."""
+    if depth > current or (depth < current and extra.young(num_emitting, depth)):
+        return DOUBT * extra.uncertainty(num_emitting, depth)
+    return 0.0
