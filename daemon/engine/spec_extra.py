@@ -230,12 +230,6 @@ class ServingExtra:
             return regime.settled_error(depth)
         return self._standard_error(own) if self._has_own(own) else 0.0
 
-    def young(self, num_emitting: int, depth: int) -> bool:
-        """Whether this depth's decode steps at these rows are priced by a mean of fewer steps than a settled mean
-        holds at most (Regime.FULL_STEPS): it has no settled mean here, or a short one (a seek's)."""
-        regime = self._regimes.get(self.bucket(num_emitting))
-        return regime is None or regime.settled_steps(depth) < Regime.FULL_STEPS
-
     def _standard_error(self, own: tuple[bool, int, int]) -> float:
         return standard_error(self._depth_var[own], self._depth_count[own], self.WEIGHT)
 

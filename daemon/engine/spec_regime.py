@@ -66,7 +66,6 @@ class Regime:
     # last settled step, and needs this many settled steps first (as ServingExtra.STALE_STEPS, MIN_SAMPLES)
     SETTLED_STALE_STEPS = 1000
     SETTLED_MIN_STEPS = 16
-    FULL_STEPS = round(2.0 / SHARE_WEIGHT - 1.0)  # the most steps a settled mean's standard error is taken over
 
     def __init__(self) -> None:
         self._recent: deque[int] = deque(maxlen=self.STEPS)
@@ -123,13 +122,6 @@ class Regime:
         if self._settled_count.get(depth, 0) < self.SETTLED_MIN_STEPS or not self._settled_recent(depth):
             return None
         return self._settled[depth]
-
-    def settled_steps(self, depth: int) -> int:
-        """How many settled steps the depth's settled mean holds (as `settled`: 0 where there is none), up to
-        FULL_STEPS."""
-        if self.settled(depth) is None:
-            return 0
-        return min(self._settled_count[depth], self.FULL_STEPS)
 
     def settled_error(self, depth: int) -> float:
         """The standard error of the depth's settled mean (as `settled`: 0 where there is none)."""

@@ -1,8 +1,8 @@
 """Where the speculation policy measures a price before trusting it (speculation.py): a depth next to the
 chosen one is run for a few steps when its price is borrowed from the depth in use or was left on a burst
-(what serving adds, spec_extra.py), and so is a depth switched to on a price the spell's depth lent it; a depth
-other than the one in use is taken at its price some standard errors high, since a few steps' mean wanders by more
-than the switching margin.
+(what serving adds, spec_extra.py), and so is a depth switched to on a price the spell's depth lent it; going
+deeper takes the deeper depth's price some standard errors high, since a few steps' mean wanders by more than the
+switching margin.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PRICE_BAND = 0.10
 # in turn in one process, and a 16-step seek left it priced 4.4 ms (15%) high; the policy ran depth 0 for
 # 95-98% of rows and served 0.905 of k1.
 SEEK_STEPS = Regime.STEPS + Regime.SETTLED_MIN_STEPS
-# NOTE: switching takes the other depth's price DOUBT standard errors of its own mean high: a 16-step mean
+# NOTE: going deeper takes a deeper depth's price DOUBT standard errors of its own mean high: a 16-step mean
 # of what serving adds spread 0.40-0.49 ms (sd) about the rest of its spell at 4 streams on code (13-21% of a
 # step), 0.56-0.88 ms at 64 (3-5%), where the margin is 5% and the depths differed by 2-9%.
 DOUBT = 2.0
@@ -70,19 +70,6 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
 
 
 def doubt_seconds(extra: ServingExtra, num_emitting: int, depth: int, current: int) -> float:
-    """What a depth other than the one in use (`current`) has its price taken high by: DOUBT standard errors
-    of its own mean, for a deeper depth always and for a shallower one while its mean is young
-    (ServingExtra.young: a seek's).
-
-    NOTE: a young shallower one too. Taken at its word, a seek's mean that read low by chance had the policy go
-    shallower at once, and back only past the margin and its own doubt: at one stream on code, depth 1 ran
-    5-27% of an instance's rows where k1 served 0.81 of k3; in the synthetic test of this (depth 1 5.6%
-    slower than depth 2, a step wandering by 0.6-1.0 ms) it ran a median 660-920 of 5,500 steps where its
-    seeks are 240 (tests/engine/test_spec_pricing_served.py).
-    NOTE: not a shallower one whose mean is full: the depth that ran for long before the policy went deeper is
-    the way back. At one stream on random words, depth 1 taken on a stale price (0.99 ms over the curves where
-    depth 0's steps had risen to 1.96) was kept for ~2 s where depth 0 priced 13% better: depth 0's full mean
-    had a doubt of 0.83 ms on a noisy host."""
-    if depth > current or (depth < current and extra.young(num_emitting, depth)):
-        return DOUBT * extra.uncertainty(num_emitting, depth)
-    return 0.0
+    """What a depth deeper than the one in use (`current`) has its price taken high by: DOUBT standard errors
+    of its own mean."""
+    return DOUBT * extra.uncertainty(num_emitting, depth) if depth > current else 0.0

@@ -1,10 +1,8 @@
 """What serving adds to a step (spec_extra.ServingExtra): kept per emitting rows and per kind of step, each
 depth's own mean while it is recent, and nothing from a load's first steps (docs/speculation.md)."""
 
-import numpy as np
 import pytest
 from mtpserve.engine.spec_extra import ServingExtra
-from mtpserve.engine.spec_seek import DOUBT, doubt_seconds
 
 WARMUP = ServingExtra.WARMUP_STEPS
 
@@ -138,19 +136,3 @@ def test_a_depth_left_after_a_slow_climb_or_a_small_rise_is_not_suspect():
     _steps(extra, 30, 5e-3, depth=1)  # ~0.45 ms on the mean: ~3% of its step
     _steps(extra, 1, 4e-3, depth=0)
     assert extra.suspect(64, 1) is None
-
-
-def test_a_depth_other_than_the_one_in_use_is_doubted_deeper_always_and_shallower_while_its_mean_is_young():
-    """A long spell at depth 0 leaves it a full settled mean, a seek's 48 steps at depth 1 a young one (16 settled
-    steps), on steps that wander. In use at depth 2, depth 1 is doubted (a seek's mean that read low ratcheted the
-    policy shallower) and depth 0 is not (the depth that ran for long is the way back); in use at depth 0, depth 1,
-    deeper, is doubted."""
-    extra, wander = ServingExtra(), np.random.default_rng(0).normal(0.0, 0.5e-3, 400)
-    for i in range(300):
-        extra.observe(1, 2e-3 + wander[i], 1.5e-3, depth=0)
-    for i in range(300, 348):
-        extra.observe(1, 2.5e-3 + wander[i], 2e-3, depth=1)
-    assert extra.young(1, 1) and not extra.young(1, 0)
-    assert doubt_seconds(extra, 1, 1, current=2) > 0.0
-    assert doubt_seconds(extra, 1, 0, current=2) == 0.0 < extra.uncertainty(1, 0)
-    assert doubt_seconds(extra, 1, 1, current=0) == DOUBT * extra.uncertainty(1, 1) > 0.0

@@ -95,41 +95,6 @@ def test_a_deeper_depth_that_is_better_is_taken_through_the_noise():
     assert np.median(served) >= 0.75 * 2000
 
 
-@pytest.mark.parametrize("noise_ms", [0.6, 1.0])
-def test_a_shallower_depth_priced_by_a_few_noisy_steps_is_not_taken_on_their_noise(noise_ms):
-    """Drafts accepted 90% of the time: depth 2 serves the most, depth 1 5.6% less (within the band, so it is
-    sought), and each step wanders by 0.6-1.0 ms (30-50% of a depth-2 step; at one stream on code ~1 ms on
-    ~3). Where a seek's mean read low the policy went to depth 1 at once and came back only past the margin
-    and depth 2's doubt: by the median of eight noise draws depth 1 ran 660-920 of the 5,500 steps after the
-    first 500. Taken DOUBT standard errors high as a deeper depth is, it runs little more than its seeks."""
-    runs = []
-    for seed in range(8):
-        ran = serve_one_row(profiled(0.9), 6000, {d: 0.3 for d in range(K + 1)}, noise_ms=noise_ms, seed=seed)
-        runs.append(ran[500:].count(1))
-    assert min(runs) > 0  # sought
-    assert np.median(runs) <= (5500 // ServingExtra.STALE_STEPS + 1) * SEEK_STEPS
-
-
-@pytest.mark.parametrize("acceptance, noise_ms", [(0.3, 0.8), (0.9, 1.0)])
-def test_after_the_host_s_level_rises_for_good_the_policy_serves_near_the_best_depth(acceptance, noise_ms):
-    """Serving's steps take 1 ms more for good from step 2,000 on, at every depth, and steps wander: a longer step
-    favours a deeper depth (depth 1 where drafts are accepted 30% of the time, depth 3 at 90%). The depth in use is
-    priced at once and the others by means from before the rise. With only a deeper depth's price doubted, the
-    policy served 0.970 of the best depth's tokens a ms after the rise at 90%, by the median of eight noise draws;
-    with a young shallower one's doubted too, 0.991."""
-    def rate(depth: int, added_ms: float) -> float:
-        """Expected tokens a ms of a one-row step at this depth where serving adds `added_ms`."""
-        return sum(acceptance ** j for j in range(depth + 1)) / (sum(device_ms(depth + 1, 300, depth)) + added_ms)
-
-    after = [rate(depth, 1.3) for depth in range(K + 1)]
-    served = []
-    for seed in range(8):
-        ran = serve_one_row(profiled(acceptance), 5000, {d: 0.3 for d in range(K + 1)}, noise_ms=noise_ms, seed=seed,
-                            burst=(2000, 3000, 1.0))
-        served.append(np.mean([after[depth] for depth in ran[2000:]]) / max(after))
-    assert np.median(served) >= 0.98
-
-
 def with_chunk(plan: SchedulePlan, tokens: int = 64) -> SchedulePlan:
     """The plan with another request's prompt chunk of `tokens` (not its last: it does not emit) beside its rows."""
     request = Request(EngineRequest(1, tuple(range(1, 2 * tokens)), SamplingParams(temperature=0.0)), 1, 0)
