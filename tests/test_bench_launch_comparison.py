@@ -1,5 +1,7 @@
 """bench serve --launch --rounds: the comparison takes each configuration's median over its rounds."""
 
+import pytest
+
 from mtpserve.bench.serve_launch import comparison, format_comparison
 
 
@@ -43,6 +45,36 @@ def test_the_paired_ratio_cancels_the_drift_that_two_medians_keep():
         errors["paired"].append(abs(row["paired_to_best_other"] - 0.98))
     assert sum(errors["paired"]) < 0.8 * sum(errors["medians"])  # 0.68 with this seed
 
+
+
+def test_the_paired_interval_holds_the_true_ratio_about_as_often_as_it_says():
+    import random
+
+    rng, covered, widths = random.Random(1), 0, []
+    for _ in range(200):
+        drift = [rng.lognormvariate(0, 0.1) for _ in range(8)]
+        k0 = [500.0 * d * rng.lognormvariate(0, 0.04) for d in drift]
+        adaptive = [480.0 * d * rng.lognormvariate(0, 0.04) for d in drift]  # truly 0.96 of k0
+        levels = {1: {"k0": [{"output_throughput": v} for v in k0],
+                      "adaptive": [{"output_throughput": v} for v in adaptive]}}
+        row = next(r for r in comparison(levels, ["k0", "adaptive"]) if r["label"] == "adaptive")
+        low, high = row["paired_interval"]
+        assert low <= row["paired_to_best_other"] <= high
+        covered += low <= 0.96 <= high
+        widths.append(high - low)
+    assert covered >= 0.8 * 200  # a 90% bootstrap interval of a median of 8 rounds: 0.85-0.89 (seeds 1-3)
+    assert sorted(widths)[100] < 0.1  # and narrow enough to tell 0.96 from 1.0 most of the time
+
+
+def test_the_paired_interval_is_against_the_other_the_ratio_is_lowest_against_and_needs_three_rounds():
+    levels = {4: {"k1": [{"output_throughput": r} for r in (1000.0, 1100.0, 900.0)],
+                  "k2": [{"output_throughput": r} for r in (1100.0, 1210.0, 990.0)],
+                  "adaptive": [{"output_throughput": r} for r in (1045.0, 1149.5, 940.5)]}}
+    rows = {r["label"]: r for r in comparison(levels, ["k1", "k2", "adaptive"])}
+    assert rows["adaptive"]["paired_interval"] == pytest.approx((0.95, 0.95))  # 0.95 of k2 in every round, 1.045 of k1
+    two = {4: {label: [{"output_throughput": r} for r in (1000.0, 1100.0)] for label in ("k0", "adaptive")}}
+    assert all(r["paired_interval"] is None for r in comparison(two, ["k0", "adaptive"]))
+    assert "90% interval" in format_comparison(comparison(levels, ["k1", "k2", "adaptive"]))
 
 def _serve_args(*extra: str):
     import argparse
@@ -114,6 +146,31 @@ async def _two_rounds_of_the_step_load(monkeypatch, relaunch: bool) -> None:
     rows = {r["label"]: r for r in report["comparison"]}
     assert len(rows["a"]["rounds"]) == 2 and rows["a"]["concurrency"] == 2
 
+
+
+async def test_each_level_takes_its_instances_in_turn_round_by_round(monkeypatch):
+    """Two instances at two levels: each level's rounds start with a and b in turn (turned by the visits
+    so far, a went first at every round of the first level and b at the second)."""
+    import subprocess
+
+    from aiohttp.test_utils import TestServer
+    from bench_fake_server import MODEL, fake_app
+
+    from mtpserve.bench import serve
+    from mtpserve.bench.serve_launch import Instance
+
+    args = _serve_args("--concurrency", "1", "2", "--rounds", "2", "--model", MODEL, "--launch", "a=", "b=",
+                       "--out", "/dev/null")
+    done = subprocess.Popen(["true"])
+    done.wait()
+    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
+        monkeypatch.setattr(serve, "start_all", lambda specs: [
+            Instance(label, str(server.make_url("")).rstrip("/"), done, label) for label, server in (("a", a), ("b", b))])
+        monkeypatch.setattr(serve, "plot_launched", lambda rows, path: None)
+        report = await serve.run_launched(args)
+    firsts = {(r["concurrency"], r["round"]): r["label"] for r in reversed(report["runs"])}  # each visit's first
+    assert [firsts[1, 1], firsts[1, 2]] == ["a", "b"]
+    assert [firsts[2, 1], firsts[2, 2]] == ["b", "a"]
 
 def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
     from mtpserve.bench.serve_client import RequestResult

@@ -173,9 +173,11 @@ async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, m
     to `runs` and `visits`."""
     prompts = None if args.step_load else make_dataset(args)
     levels = [args.step_load[1]] if args.step_load else args.concurrency
-    for concurrency, round_ in [(c, r) for c in levels for r in rounds]:
-        # NOTE: each visit starts with the next instance, so no configuration always goes first
-        turn = len(runs) // len(instances)
+    for (index, concurrency), round_ in [(c, r) for c in enumerate(levels) for r in rounds]:
+        # NOTE: each round of a level starts with the next instance, so no configuration always goes first
+        # at a level. Turned by the visits so far, two instances at two or four levels were aliased: k0 went
+        # first at every round at one and 16 streams, adaptive at four and 64.
+        turn = round_ + index
         for instance in instances[turn % len(instances):] + instances[:turn % len(instances)]:
             if prompts is None:
                 summary = await _step_load(session, _at(args, instance.url), model)
