@@ -172,6 +172,47 @@ async def test_each_level_takes_its_instances_in_turn_round_by_round(monkeypatch
     assert [firsts[1, 1], firsts[1, 2]] == ["a", "b"]
     assert [firsts[2, 1], firsts[2, 2]] == ["b", "a"]
 
+
+async def test_slices_visit_every_instance_with_each_part_of_a_level_and_pair_as_rounds(monkeypatch):
+    import subprocess
+
+    from aiohttp.test_utils import TestServer
+    from bench_fake_server import MODEL, fake_app
+
+    from mtpserve.bench import serve
+    from mtpserve.bench.serve_launch import Instance
+
+    args = _serve_args("--concurrency", "1", "--level-prompts", "6", "--rounds", "2", "--slices", "3",
+                       "--model", MODEL, "--launch", "a=", "b=", "--out", "/dev/null")
+    done = subprocess.Popen(["true"])
+    done.wait()
+    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
+        monkeypatch.setattr(serve, "start_all", lambda specs: [
+            Instance(label, str(server.make_url("")).rstrip("/"), done, label) for label, server in (("a", a), ("b", b))])
+        monkeypatch.setattr(serve, "plot_launched", lambda rows, path: None)
+        report = await serve.run_launched(args)
+    visits = [(r["label"], r["round"], r["slice"], r["summary"]["completed"]) for r in report["runs"]]
+    assert visits[:4] == [("a", 1, 1, 2), ("b", 1, 1, 2), ("b", 1, 2, 2), ("a", 1, 2, 2)]  # two prompts each
+    assert len(visits) == 12
+    rows = {r["label"]: r for r in report["comparison"]}
+    assert len(rows["a"]["rounds"]) == 6 and rows["a"]["paired_interval"] is not None
+
+
+def test_slices_split_a_level_into_consecutive_parts_and_each_must_hold_its_streams():
+    import pytest
+
+    from mtpserve.bench import serve
+
+    level = list("abcdefg")
+    assert [serve.slice_prompts(level, 3, i) for i in range(3)] == [list("ab"), list("cde"), list("fg")]
+    serve.check_slices(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "16", "--slices", "4",
+                                   "--launch", "a="))
+    with pytest.raises(SystemExit, match="at \\[4\\] streams"):
+        serve.check_slices(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "15", "--slices", "4",
+                                       "--launch", "a="))
+    with pytest.raises(SystemExit, match="needs --launch"):
+        serve.check_slices(_serve_args("--slices", "2"))
+
 def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
     from mtpserve.bench.serve_client import RequestResult
     from mtpserve.bench.serve_step_load import phase_throughput

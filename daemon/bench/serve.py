@@ -104,6 +104,10 @@ def _add_side_by_side(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="with --launch: visit every instance this many times per level; the comparison takes "
                    "each one's median output tok/s (the machine's drift lands on every configuration)")
+    p.add_argument("--slices", type=int, default=1,
+                   help="with --launch: split each level's prompts into this many slices and visit every "
+                   "instance with each slice in turn; each slice visit counts as a round of its own in the "
+                   "comparison (the host's drift over a visit of ~15 s lands on the instances alike)")
     p.add_argument("--relaunch", action="store_true",
                    help="with --launch: start the instances afresh for every round (identical instances differ "
                    "by a few %% for as long as they live; see serve.py _launches)")
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.level_prompts is not None and len(args.level_prompts) != len(args.concurrency):
         raise SystemExit(f"--level-prompts needs one count per --concurrency level ({len(args.concurrency)}), "
                          f"got {len(args.level_prompts)}")
+    check_slices(args)
     if args.compare:
         reports = {path.stem: json.loads(path.read_text()) for path in args.compare}
         print(f"plot: {plot_compare(reports, (args.plot_dir or Path('.')) / 'serve-compare.png')}")
@@ -173,23 +178,45 @@ async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, m
     to `runs` and `visits`."""
     prompts = None if args.step_load else make_dataset(args)
     levels = [args.step_load[1]] if args.step_load else args.concurrency
-    for (index, concurrency), round_ in [(c, r) for c in enumerate(levels) for r in rounds]:
-        # NOTE: each round of a level starts with the next instance, so no configuration always goes first
-        # at a level. Turned by the visits so far, two instances at two or four levels were aliased: k0 went
-        # first at every round at one and 16 streams, adaptive at four and 64.
-        turn = round_ + index
+    slices = 1 if prompts is None else args.slices
+    for (index, concurrency), round_, part in [(c, r, s) for c in enumerate(levels) for r in rounds
+                                               for s in range(slices)]:
+        # NOTE: each round (slice) of a level starts with the next instance, so no configuration always goes
+        # first at a level. Turned by the visits so far, two instances at two or four levels were aliased: k0
+        # went first at every round at one and 16 streams, adaptive at four and 64.
+        turn = round_ * slices + part + index
         for instance in instances[turn % len(instances):] + instances[:turn % len(instances)]:
             if prompts is None:
                 summary = await _step_load(session, _at(args, instance.url), model)
                 print(format_step_load(f"{instance.label} round {round_ + 1}", summary), flush=True)
                 runs.append({"label": instance.label, "round": round_ + 1, "summary": summary})
             else:
-                summary = await run_level(session, _at(args, instance.url), model, prompts, concurrency)
-                print(format_run(f"{instance.label} concurrency {concurrency} round {round_ + 1}", summary),
-                      flush=True)
+                mine = slice_prompts(prompts[:level_prompts(args, concurrency)], slices, part)
+                summary = await run_level(session, _at(args, instance.url), model, mine, concurrency)
+                name = f"round {round_ + 1}" + (f" slice {part + 1}" if slices > 1 else "")
+                print(format_run(f"{instance.label} concurrency {concurrency} {name}", summary), flush=True)
                 runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
-                             "summary": summary})
+                             **({"slice": part + 1} if slices > 1 else {}), "summary": summary})
             visits.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
+
+
+def check_slices(args: argparse.Namespace) -> None:
+    """--slices: with --launch, and every slice of a level at least as long as the level's streams (a
+    shorter one never runs at its concurrency)."""
+    if args.slices == 1:
+        return
+    if args.slices < 1 or not args.launch or args.step_load:
+        raise SystemExit("--slices needs --launch, levels (not --step-load) and a count of at least 1")
+    short = [c for c in args.concurrency if level_prompts(args, c) < args.slices * c]
+    if short:
+        raise SystemExit(f"--slices {args.slices}: a slice of the level(s) at {short} streams would have fewer "
+                         "prompts than streams; send more prompts (--level-prompts) or use fewer slices")
+
+
+def slice_prompts(prompts: Sequence[Prompt], slices: int, part: int) -> Sequence[Prompt]:
+    """Part `part` of `slices` nearly equal consecutive parts of a level's prompts."""
+    bounds = [round(i * len(prompts) / slices) for i in range(slices + 1)]
+    return prompts[bounds[part]:bounds[part + 1]]
 
 
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
