@@ -46,7 +46,6 @@ def test_the_paired_ratio_cancels_the_drift_that_two_medians_keep():
     assert sum(errors["paired"]) < 0.8 * sum(errors["medians"])  # 0.68 with this seed
 
 
-
 def test_the_paired_interval_holds_the_true_ratio_about_as_often_as_it_says():
     import random
 
@@ -71,10 +70,12 @@ def test_the_paired_interval_is_against_the_other_the_ratio_is_lowest_against_an
                   "k2": [{"output_throughput": r} for r in (1100.0, 1210.0, 990.0)],
                   "adaptive": [{"output_throughput": r} for r in (1045.0, 1149.5, 940.5)]}}
     rows = {r["label"]: r for r in comparison(levels, ["k1", "k2", "adaptive"])}
-    assert rows["adaptive"]["paired_interval"] == pytest.approx((0.95, 0.95))  # 0.95 of k2 in every round, 1.045 of k1
+    # NOTE: 0.95 of k2 in every round, 1.045 of k1
+    assert rows["adaptive"]["paired_interval"] == pytest.approx((0.95, 0.95))
     two = {4: {label: [{"output_throughput": r} for r in (1000.0, 1100.0)] for label in ("k0", "adaptive")}}
     assert all(r["paired_interval"] is None for r in comparison(two, ["k0", "adaptive"]))
     assert "90% interval" in format_comparison(comparison(levels, ["k1", "k2", "adaptive"]))
+
 
 def _serve_args(*extra: str):
     import argparse
@@ -98,8 +99,6 @@ def test_a_level_sends_at_least_its_prompts_per_stream_and_the_same_first_prompt
 
 
 def test_level_prompts_give_each_level_its_own_count_and_must_match_the_levels():
-    import pytest
-
     from mtpserve.bench import serve
 
     args = _serve_args("--concurrency", "1", "4", "16", "--level-prompts", "5", "9", "20")
@@ -119,27 +118,9 @@ async def test_relaunch_starts_the_instances_afresh_for_every_round(monkeypatch)
 
 
 async def _two_rounds_of_the_step_load(monkeypatch, relaunch: bool) -> None:
-    import subprocess
-
-    from aiohttp.test_utils import TestServer
-    from bench_fake_server import MODEL, fake_app
-
-    from mtpserve.bench import serve
-    from mtpserve.bench.serve_launch import Instance
-
-    args = _serve_args("--step-load", "1", "2", "--step-period", "0.1", "--duration", "0.3", "--rounds", "2",
-                       "--model", MODEL, "--launch", "a=", "b=", *(["--relaunch"] if relaunch else []))
-    done = subprocess.Popen(["true"])  # the servers are in this process; an instance's process is only kept
-    done.wait()
-    launches = []
-    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
-        def start_all(specs: list[str]) -> list[Instance]:  # NOTE: the boundary: no `mtpserve serve` processes
-            launches.append(specs)
-            return [Instance(label, str(server.make_url("")).rstrip("/"), done, label)
-                    for label, server in (("a", a), ("b", b))]
-
-        monkeypatch.setattr(serve, "start_all", start_all)
-        report = await serve.run_launched(args)
+    launches: list[list[str]] = []
+    report = await _launched(monkeypatch, launches, "--step-load", "1", "2", "--step-period", "0.1", "--duration",
+                             "0.3", "--rounds", "2", *(["--relaunch"] if relaunch else []))
     assert len(launches) == (2 if relaunch else 1)
     assert [(r["label"], r["round"]) for r in report["runs"]] == [("a", 1), ("b", 1), ("b", 2), ("a", 2)]
     assert all(r["summary"]["completed"] > 0 and r["summary"]["failed"] == 0 for r in report["runs"])
@@ -147,50 +128,18 @@ async def _two_rounds_of_the_step_load(monkeypatch, relaunch: bool) -> None:
     assert len(rows["a"]["rounds"]) == 2 and rows["a"]["concurrency"] == 2
 
 
-
 async def test_each_level_takes_its_instances_in_turn_round_by_round(monkeypatch):
     """Two instances at two levels: each level's rounds start with a and b in turn (turned by the visits
     so far, a went first at every round of the first level and b at the second)."""
-    import subprocess
-
-    from aiohttp.test_utils import TestServer
-    from bench_fake_server import MODEL, fake_app
-
-    from mtpserve.bench import serve
-    from mtpserve.bench.serve_launch import Instance
-
-    args = _serve_args("--concurrency", "1", "2", "--rounds", "2", "--model", MODEL, "--launch", "a=", "b=",
-                       "--out", "/dev/null")
-    done = subprocess.Popen(["true"])
-    done.wait()
-    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
-        monkeypatch.setattr(serve, "start_all", lambda specs: [
-            Instance(label, str(server.make_url("")).rstrip("/"), done, label) for label, server in (("a", a), ("b", b))])
-        monkeypatch.setattr(serve, "plot_launched", lambda rows, path: None)
-        report = await serve.run_launched(args)
+    report = await _launched(monkeypatch, [], "--concurrency", "1", "2", "--rounds", "2")
     firsts = {(r["concurrency"], r["round"]): r["label"] for r in reversed(report["runs"])}  # each visit's first
     assert [firsts[1, 1], firsts[1, 2]] == ["a", "b"]
     assert [firsts[2, 1], firsts[2, 2]] == ["b", "a"]
 
 
 async def test_slices_visit_every_instance_with_each_part_of_a_level_and_pair_as_rounds(monkeypatch):
-    import subprocess
-
-    from aiohttp.test_utils import TestServer
-    from bench_fake_server import MODEL, fake_app
-
-    from mtpserve.bench import serve
-    from mtpserve.bench.serve_launch import Instance
-
-    args = _serve_args("--concurrency", "1", "--level-prompts", "6", "--rounds", "2", "--slices", "3",
-                       "--model", MODEL, "--launch", "a=", "b=", "--out", "/dev/null")
-    done = subprocess.Popen(["true"])
-    done.wait()
-    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
-        monkeypatch.setattr(serve, "start_all", lambda specs: [
-            Instance(label, str(server.make_url("")).rstrip("/"), done, label) for label, server in (("a", a), ("b", b))])
-        monkeypatch.setattr(serve, "plot_launched", lambda rows, path: None)
-        report = await serve.run_launched(args)
+    report = await _launched(monkeypatch, [], "--concurrency", "1", "--level-prompts", "6", "--rounds", "2",
+                             "--slices", "3")
     visits = [(r["label"], r["round"], r["slice"], r["summary"]["completed"]) for r in report["runs"]]
     assert visits[:4] == [("a", 1, 1, 2), ("b", 1, 1, 2), ("b", 1, 2, 2), ("a", 1, 2, 2)]  # two prompts each
     assert len(visits) == 12
@@ -198,20 +147,43 @@ async def test_slices_visit_every_instance_with_each_part_of_a_level_and_pair_as
     assert len(rows["a"]["rounds"]) == 6 and rows["a"]["paired_interval"] is not None
 
 
-def test_slices_split_a_level_into_consecutive_parts_and_each_must_hold_its_streams():
-    import pytest
+async def _launched(monkeypatch, launches: list[list[str]], *flags: str) -> dict:
+    """`bench serve --launch a= b= FLAGS` against two fake servers in this process (`launches`: each start's
+    specs); the report."""
+    import subprocess
+
+    from aiohttp.test_utils import TestServer
+    from bench_fake_server import MODEL, fake_app
 
     from mtpserve.bench import serve
+    from mtpserve.bench.serve_launch import Instance
+
+    args = _serve_args("--model", MODEL, "--launch", "a=", "b=", "--out", "/dev/null", *flags)
+    done = subprocess.Popen(["true"])  # the servers are in this process; an instance's process is only kept
+    done.wait()
+    async with TestServer(fake_app()) as a, TestServer(fake_app()) as b:
+        def start_all(specs: list[str]) -> list[Instance]:  # NOTE: the boundary: no `mtpserve serve` processes
+            launches.append(specs)
+            return [Instance(label, str(server.make_url("")).rstrip("/"), done, label)
+                    for label, server in (("a", a), ("b", b))]
+
+        monkeypatch.setattr(serve, "start_all", start_all)
+        monkeypatch.setattr(serve, "plot_launched", lambda rows, path: None)
+        return await serve.run_launched(args)
+
+
+def test_slices_split_a_level_into_consecutive_parts_and_each_must_hold_its_streams():
+    from mtpserve.bench.serve_levels import check_levels, slice_prompts
 
     level = list("abcdefg")
-    assert [serve.slice_prompts(level, 3, i) for i in range(3)] == [list("ab"), list("cde"), list("fg")]
-    serve.check_slices(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "16", "--slices", "4",
-                                   "--launch", "a="))
+    assert [slice_prompts(level, 3, i) for i in range(3)] == [list("ab"), list("cde"), list("fg")]
+    check_levels(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "16", "--slices", "4",
+                             "--launch", "a="))
     with pytest.raises(SystemExit, match="at \\[4\\] streams"):
-        serve.check_slices(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "15", "--slices", "4",
-                                       "--launch", "a="))
+        check_levels(_serve_args("--concurrency", "1", "4", "--level-prompts", "8", "15", "--slices", "4",
+                                 "--launch", "a="))
     with pytest.raises(SystemExit, match="needs --launch"):
-        serve.check_slices(_serve_args("--slices", "2"))
+        check_levels(_serve_args("--slices", "2"))
 
 def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
     from mtpserve.bench.serve_client import RequestResult

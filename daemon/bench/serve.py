@@ -24,6 +24,7 @@ import aiohttp
 
 from mtpserve.bench.serve_client import RequestResult, reset_prefix_cache, send_request
 from mtpserve.bench.serve_launch import Instance, comparison, format_comparison, start_all, stop_all
+from mtpserve.bench.serve_levels import check_levels, level_prompts, slice_prompts
 from mtpserve.bench.serve_report import (PREFIX_COUNTERS, acceptance, format_run, parse_chosen_drafts, parse_counters,
                                          plot, plot_compare, plot_launched, prefix_hit_rate, summarize)
 from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, load_tokenizer, shared_prefix_prompts
@@ -119,10 +120,7 @@ def _add_side_by_side(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.level_prompts is not None and len(args.level_prompts) != len(args.concurrency):
-        raise SystemExit(f"--level-prompts needs one count per --concurrency level ({len(args.concurrency)}), "
-                         f"got {len(args.level_prompts)}")
-    check_slices(args)
+    check_levels(args)
     if args.compare:
         reports = {path.stem: json.loads(path.read_text()) for path in args.compare}
         print(f"plot: {plot_compare(reports, (args.plot_dir or Path('.')) / 'serve-compare.png')}")
@@ -198,25 +196,6 @@ async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, m
                 runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
                              **({"slice": part + 1} if slices > 1 else {}), "summary": summary})
             visits.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
-
-
-def check_slices(args: argparse.Namespace) -> None:
-    """--slices: with --launch, and every slice of a level at least as long as the level's streams (a
-    shorter one never runs at its concurrency)."""
-    if args.slices == 1:
-        return
-    if args.slices < 1 or not args.launch or args.step_load:
-        raise SystemExit("--slices needs --launch, levels (not --step-load) and a count of at least 1")
-    short = [c for c in args.concurrency if level_prompts(args, c) < args.slices * c]
-    if short:
-        raise SystemExit(f"--slices {args.slices}: a slice of the level(s) at {short} streams would have fewer "
-                         "prompts than streams; send more prompts (--level-prompts) or use fewer slices")
-
-
-def slice_prompts(prompts: Sequence[Prompt], slices: int, part: int) -> Sequence[Prompt]:
-    """Part `part` of `slices` nearly equal consecutive parts of a level's prompts."""
-    bounds = [round(i * len(prompts) / slices) for i in range(slices + 1)]
-    return prompts[bounds[part]:bounds[part + 1]]
 
 
 async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
@@ -378,13 +357,6 @@ def _messages(prompt: Prompt) -> list[dict]:
 def _length(base: int, ratio: float, key: str) -> int:
     rng = random.Random(key)  # NOTE: tied to the prompt, so every level sends the same requests
     return max(1, round(base * rng.uniform(1 - ratio, 1 + ratio)))
-
-
-def level_prompts(args: argparse.Namespace, concurrency: int) -> int:
-    """How many prompts a level of `concurrency` streams sends: the first ones of make_dataset's."""
-    if args.level_prompts is not None:
-        return dict(zip(args.concurrency, args.level_prompts))[concurrency]
-    return max(args.num_prompts, args.prompts_per_stream * concurrency)
 
 
 def make_dataset(args: argparse.Namespace) -> list[Prompt]:

@@ -159,6 +159,9 @@ def paired_ratios(rounds: dict[str, list[float | None]], label: str) -> float | 
     return None if worst is None else statistics.median(worst)
 
 
+MIN_INTERVAL_ROUNDS = 3  # NOTE: with two, the interval is the two ratios' range
+
+
 def paired_interval(rounds: dict[str, list[float | None]], label: str, level: float = 0.9,
                     resamples: int = 2000) -> tuple[float, float] | None:
     """A `level` bootstrap interval of `paired_ratios` (the median of the rounds' ratios to the other label it
@@ -178,8 +181,6 @@ def paired_interval(rounds: dict[str, list[float | None]], label: str, level: fl
     low, high = np.percentile(medians, [tail, 100 - tail])
     return float(low), float(high)
 
-
-MIN_INTERVAL_ROUNDS = 3
 
 
 def _worst_pairs(rounds: dict[str, list[float | None]], label: str) -> list[float] | None:
