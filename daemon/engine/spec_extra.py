@@ -106,6 +106,8 @@ class ServingExtra:
         key, extra = (has_prefill, self.bucket(num_emitting)), seconds - device
         arrived = self._arrived[key] = self._arrived.get(key, 0) + 1
         if arrived <= self.WARMUP_STEPS:
+            if not has_prefill:
+                self._regime(key[1]).ran(depth)  # NOTE: its price teaches nothing, but the host runs the spell
             return
         _update(self._mean, self._count, key, extra, self.WEIGHT)
         if not has_prefill:
@@ -125,11 +127,15 @@ class ServingExtra:
 
     def _in_spell(self, cell: int, depth: int, extra: float, slowed: float) -> None:
         """A decode step at `depth` in this cell (`slowed`: the device thread's part of its extra)."""
+        regime = self._regime(cell)
+        regime.observe_share(extra, slowed)
+        regime.ran(depth, extra)
+
+    def _regime(self, cell: int) -> Regime:
         regime = self._regimes.get(cell)
         if regime is None:
             regime = self._regimes[cell] = Regime()
-        regime.observe_share(extra, slowed)
-        regime.ran(depth, extra)
+        return regime
 
     def priced(self, num_emitting: int, depth: int, tokens: Callable[[int], float]) -> float:
         """What serving adds to a decode step at this depth and these rows as the policy prices it (`tokens`:

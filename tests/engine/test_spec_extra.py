@@ -3,6 +3,7 @@ depth's own mean while it is recent, and nothing from a load's first steps (docs
 
 import pytest
 from mtpserve.engine.spec_extra import ServingExtra
+from mtpserve.engine.spec_regime import Regime
 
 WARMUP = ServingExtra.WARMUP_STEPS
 
@@ -63,6 +64,27 @@ def test_the_first_steps_at_these_rows_teach_nothing(monkeypatch):
     for _ in range(ServingExtra.MIN_SAMPLES):
         extra.observe(8, 5e-3, 4e-3, depth=1)  # the first steps at other rows: nothing learnt there either
     assert extra.seconds(8, depth=1) == pytest.approx(0.4e-3)  # the nearest rows' (every depth's) mean
+
+
+def test_the_first_steps_at_these_rows_count_for_the_spell_they_run(monkeypatch):
+    """A cell's first steps teach no price, but the host runs their depth's spell: a depth that ran them and a
+    few more settles, and is priced by its own spell once another depth holds the cell. At 64 streams on code,
+    depth 0's first spell of 56 steps settled nothing after the warm-up, and depth 1's spell lent it 7.6 ms where
+    its own steps added 9.6: the policy went back to depth 0 and stayed there (docs/speculation.md)."""
+    monkeypatch.setattr(ServingExtra, "WARMUP_STEPS", WARMUP)
+    extra = ServingExtra()
+
+    def steps(count: int, depth: int, added: float) -> None:
+        for _ in range(count):  # NOTE: the device thread slowed by all of it, as on this host
+            extra.observe(64, 5e-3 + added, 5e-3, depth=depth, device_thread=5e-3 + added)
+
+    steps(WARMUP, 0, 12e-3)
+    steps(Regime.SETTLED_MIN_STEPS, 0, 9e-3)
+    steps(Regime.STEPS + Regime.SETTLED_MIN_STEPS, 1, 10e-3)  # a seek of depth 1: the spell is depth 1's now
+    tokens = {0: 64.0, 1: 117.0}.__getitem__
+    assert extra.lender(64, 0) is None
+    assert extra.priced(64, 0, tokens) == pytest.approx(9e-3)
+    assert extra.priced(64, 1, tokens) == pytest.approx(10e-3)
 
 
 def test_the_prompts_share_takes_both_kinds_of_step_from_one_source():
