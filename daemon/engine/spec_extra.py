@@ -58,6 +58,11 @@ class ServingExtra:
     # the first at these rows), and slow. At 4 streams on code the first ~20-25 decode steps took 0.8-2.4 ms
     # more than the profile, 0.3-0.5 ms later (five fresh launches); learnt, they were depth 1's price when
     # the policy sought depth 2, which then ran for the ~230 steps that price lived (YOUNG_STEPS).
+    # NOTE: they still count for the cell's spell (spec_regime.Regime.ran, without a price): the host runs the
+    # depth that ran them. Left out of it, a depth's first spell at new rows settled only after 80 of its steps:
+    # at 64 streams on code a fresh instance ran depth 0 for its first ~52 steps, which settled nothing, and
+    # after a seek of depth 1 depth 0 was priced from depth 1's spell at 7.6 ms where its own steps had added 9.6;
+    # the policy went back to depth 0, in one visit of three for 341 steps.
     WARMUP_STEPS = 32
     # NOTE: a depth left while its steps took more than they had (its mean more than RISE standard errors, and
     # RISE_SHARE of its step, over what it was PAST_STEPS of its steps before) is `suspect` until it runs
@@ -107,7 +112,7 @@ class ServingExtra:
         arrived = self._arrived[key] = self._arrived.get(key, 0) + 1
         if arrived <= self.WARMUP_STEPS:
             if not has_prefill:
-                self._regime(key[1]).ran(depth)  # NOTE: its price teaches nothing, but the host runs the spell
+                self._regime(key[1]).ran(depth)
             return
         _update(self._mean, self._count, key, extra, self.WEIGHT)
         if not has_prefill:
