@@ -45,8 +45,8 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
         if row.is_prefill:
             prefill += width
             attended += row.start_pos + width
-        elif with_context:
-            attended += pairs(width, row.request.num_kv_tokens)
+        elif with_context:  # NOTE: `pairs`, inline: a call a row was ~15% of the walk at 64 rows
+            attended += width * (row.request.num_kv_tokens + width)
     return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0)
 
 

@@ -192,6 +192,25 @@ def test_a_clear_decision_holds_longer_while_the_rows_that_emit_stay_in_the_same
         assert decisions >= 1000 // HOLD_STEPS - 2
 
 
+def test_under_a_held_decision_a_request_s_drafts_are_read_once_and_a_slot_s_new_request_afresh():
+    """At 64 streams the rows change almost every step, and each held step read every row's estimate (half of
+    the policy's host work a step): now a request's drafts are read the first step it runs under the decision.
+    A request that has not been read yet is read from its estimate as it is then, and a new request that
+    takes a slot is read afresh, not given the drafts of the request that left it."""
+    spec = sixty_four_rows(0.9)
+    depth = int(spec.choose(emitting_plan(64, 0)).max())
+    assert depth >= 1
+    spec.requests.tried[5], spec.requests.accepted[5] = 1000.0, 0.0  # slot 5's request: nothing accepted
+    rows = emitting_plan(64, 1).rows  # NOTE: other rows than the decision's: its drafts are not the step's
+    assert spec.choose(SchedulePlan(rows, (), (), ()))[5] == 0
+    spec.requests.tried[5], spec.requests.accepted[5] = 1000.0, 900.0
+    assert spec.choose(SchedulePlan(rows[1:], (), (), ()))[4] == 0  # read once: still its drafts
+    newcomer = Request(EngineRequest(99, (1, 2, 3), SamplingParams(temperature=0.0)), 99, 0)
+    newcomer.slot, newcomer.num_kv_tokens = 5, 300
+    rows = tuple(ScheduledRow(newcomer, 0, 5, False, K + 1, 0, True) if row.slot == 5 else row for row in rows)
+    assert spec.choose(SchedulePlan(rows, (newcomer,), (), ()))[5] == depth
+
+
 def test_a_seeded_sample_drafts_its_cap_while_a_decision_for_depth_0_holds():
     """While a decision for depth 0 holds at 64 rows, every row drafts nothing by a short path; a seeded
     sample admitted meanwhile still drafts its cap in every step it is in, as its seed promises, and the
