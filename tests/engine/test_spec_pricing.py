@@ -204,7 +204,7 @@ def test_under_a_held_decision_a_request_s_drafts_are_read_once_and_a_slot_s_new
     rows = emitting_plan(64, 1).rows  # NOTE: other rows than the decision's: its drafts are not the step's
     assert spec.choose(SchedulePlan(rows, (), (), ()))[5] == 0
     spec.requests.tried[5], spec.requests.accepted[5] = 1000.0, 900.0
-    assert spec.choose(SchedulePlan(rows[1:], (), (), ()))[4] == 0  # read once: still its drafts
+    assert spec.choose(SchedulePlan(rows[1:], (), (), ()))[4] == 0  # slot 5 (row 4 here), read once: still 0
     newcomer = Request(EngineRequest(99, (1, 2, 3), SamplingParams(temperature=0.0)), 99, 0)
     newcomer.slot, newcomer.num_kv_tokens = 5, 300
     rows = tuple(ScheduledRow(newcomer, 0, 5, False, K + 1, 0, True) if row.slot == 5 else row for row in rows)
