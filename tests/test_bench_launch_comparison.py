@@ -128,6 +128,19 @@ async def _two_rounds_of_the_step_load(monkeypatch, relaunch: bool) -> None:
     assert len(rows["a"]["rounds"]) == 2 and rows["a"]["concurrency"] == 2
 
 
+async def test_a_sliced_step_load_visits_every_instance_with_each_part_of_the_time_and_pairs_them(monkeypatch):
+    """Two rounds of two slices: each slice runs half the duration's phases on each instance in turn, and each
+    slice visit is a round of its own in the comparison."""
+    report = await _launched(monkeypatch, [], "--step-load", "1", "2", "--step-period", "0.1", "--duration", "0.4",
+                             "--rounds", "2", "--slices", "2")
+    visits = [(r["label"], r["round"], r["slice"]) for r in report["runs"]]
+    assert visits == [("a", 1, 1), ("b", 1, 1), ("b", 1, 2), ("a", 1, 2),
+                      ("a", 2, 1), ("b", 2, 1), ("b", 2, 2), ("a", 2, 2)]
+    assert all(0.2 <= r["summary"]["elapsed_s"] < 0.4 and r["summary"]["completed"] > 0 for r in report["runs"])
+    rows = {r["label"]: r for r in report["comparison"]}
+    assert len(rows["a"]["rounds"]) == 4 and rows["a"]["paired_interval"] is not None
+
+
 async def test_each_level_takes_its_instances_in_turn_round_by_round(monkeypatch):
     """Two instances at two levels: each level's rounds start with a and b in turn (turned by the visits
     so far, a went first at every round of the first level and b at the second)."""
@@ -184,6 +197,11 @@ def test_slices_split_a_level_into_consecutive_parts_and_each_must_hold_its_stre
                                  "--launch", "a="))
     with pytest.raises(SystemExit, match="needs --launch"):
         check_levels(_serve_args("--slices", "2"))
+    step = ("--launch", "a=", "--step-load", "1", "64", "--step-period", "10")
+    check_levels(_serve_args(*step, "--duration", "120", "--slices", "3"))  # two LOW and HIGH pairs a slice
+    for duration, slices in (("120", "4"), ("100", "3"), ("120", "7")):  # 15 s, 16.7 s, 8.6 s a slice
+        with pytest.raises(SystemExit, match="whole LOW and HIGH phases"):
+            check_levels(_serve_args(*step, "--duration", duration, "--slices", slices))
 
 def test_the_step_loads_phases_count_each_chunk_where_it_arrived():
     from mtpserve.bench.serve_client import RequestResult

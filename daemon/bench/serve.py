@@ -108,7 +108,8 @@ def _add_side_by_side(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slices", type=int, default=1,
                    help="with --launch: split each level's prompts into this many slices and visit every "
                    "instance with each slice in turn; each slice visit counts as a round of its own in the "
-                   "comparison (the host's drift over a visit of ~15 s lands on the instances alike)")
+                   "comparison (the host's drift over a visit of ~15 s lands on the instances alike). With "
+                   "--step-load: split --duration into this many parts of whole LOW and HIGH phase pairs")
     p.add_argument("--relaunch", action="store_true",
                    help="with --launch: start the instances afresh for every round (identical instances differ "
                    "by a few %% for as long as they live; see serve.py _launches)")
@@ -176,34 +177,37 @@ async def _visit_all(session: aiohttp.ClientSession, args: argparse.Namespace, m
     to `runs` and `visits`."""
     prompts = None if args.step_load else make_dataset(args)
     levels = [args.step_load[1]] if args.step_load else args.concurrency
-    slices = 1 if prompts is None else args.slices
+    slices = args.slices
     for (index, concurrency), round_, part in [(c, r, s) for c in enumerate(levels) for r in rounds
                                                for s in range(slices)]:
         # NOTE: each round (slice) of a level starts with the next instance, so no configuration always goes
         # first at a level. Turned by the visits so far, two instances at two or four levels were aliased: k0
         # went first at every round at one and 16 streams, adaptive at four and 64.
         turn = round_ * slices + part + index
+        name = f"round {round_ + 1}" + (f" slice {part + 1}" if slices > 1 else "")
         for instance in instances[turn % len(instances):] + instances[:turn % len(instances)]:
             if prompts is None:
-                summary = await _step_load(session, _at(args, instance.url), model)
-                print(format_step_load(f"{instance.label} round {round_ + 1}", summary), flush=True)
-                runs.append({"label": instance.label, "round": round_ + 1, "summary": summary})
+                summary = await _step_load(session, _at(args, instance.url), model, part)
+                print(format_step_load(f"{instance.label} {name}", summary), flush=True)
             else:
                 mine = slice_prompts(prompts[:level_prompts(args, concurrency)], slices, part)
                 summary = await run_level(session, _at(args, instance.url), model, mine, concurrency)
-                name = f"round {round_ + 1}" + (f" slice {part + 1}" if slices > 1 else "")
                 print(format_run(f"{instance.label} concurrency {concurrency} {name}", summary), flush=True)
-                runs.append({"label": instance.label, "concurrency": concurrency, "round": round_ + 1,
-                             **({"slice": part + 1} if slices > 1 else {}), "summary": summary})
+            runs.append({"label": instance.label, **({} if prompts is None else {"concurrency": concurrency}),
+                         "round": round_ + 1, **({"slice": part + 1} if slices > 1 else {}), "summary": summary})
             visits.setdefault(concurrency, {}).setdefault(instance.label, []).append(summary)
 
 
-async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str) -> dict:
+async def _step_load(session: aiohttp.ClientSession, args: argparse.Namespace, model: str, part: int = 0) -> dict:
+    """The step load against one server: --duration seconds, or with --slices its part `part` of them, which
+    sends the dataset's prompts from the part's share of them on (every instance the same ones in a slice)."""
     low, high = args.step_load
     bodies = [request_body(args, model, p) for p in make_dataset(args)]
+    start = part * len(bodies) // args.slices
     if args.reset_prefix_cache:
         await reset_prefix_cache(session, args.base_url)
-    return await step_load(session, _url(args), bodies, low, high, args.step_period, args.duration)
+    return await step_load(session, _url(args), bodies[start:] + bodies[:start], low, high, args.step_period,
+                           args.duration / args.slices)
 
 
 def _at(args: argparse.Namespace, url: str) -> argparse.Namespace:
