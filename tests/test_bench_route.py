@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from daemon_harness import BUNDLED, model_available
-from mtpserve.bench import route, serve
+from mtpserve.bench import route, serve, serve_dataset
 from mtpserve.bench.prefix_client import BenchClient, HITS, QUERIES, session
 from mtpserve.bench.route_launch import ROUTER_DECISIONS, effective_engine_config, engine_kv_blocks
 from mtpserve.bench.route_report import (PREEMPTIONS, SUCCESS, capacity, format_capacity, format_goals, format_table,
@@ -72,16 +72,16 @@ def serve_args(*extra: str) -> argparse.Namespace:
 
 def test_bench_serve_sends_the_prefix_as_the_system_message_or_ahead_of_the_prompt():
     args = serve_args("--endpoint", "chat")
-    prompts = serve.make_dataset(args)
+    prompts = serve_dataset.make_dataset(args)
     assert len(prompts) == 6 and all(isinstance(p, SharedPrefixPrompt) for p in prompts)
     first = prompts[0]
     assert isinstance(first, SharedPrefixPrompt)
-    chat = serve.request_body(args, "m", first)
+    chat = serve_dataset.request_body(args, "m", first)
     assert chat["messages"] == [{"role": "system", "content": first.system}, {"role": "user", "content": first.user}]
     assert chat["max_tokens"] == 5 and chat["stream"] is True
-    completion = serve.request_body(serve_args("--endpoint", "completions"), "m", first)
+    completion = serve_dataset.request_body(serve_args("--endpoint", "completions"), "m", first)
     assert completion["prompt"] == first.system + first.user and "messages" not in completion
-    assert serve.request_body(args, "m", "plain")["messages"] == [{"role": "user", "content": "plain"}]
+    assert serve_dataset.request_body(args, "m", "plain")["messages"] == [{"role": "user", "content": "plain"}]
     assert serve._config(args)["num_prefixes"] == 3
     assert "num_prefixes" not in serve._config(serve_args("--dataset", "code"))
 

@@ -8,7 +8,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mtpserve.bench.serve import CHARS_PER_TOKEN
+from mtpserve.bench.serve_dataset import CHARS_PER_TOKEN
 
 NUM_FILES = 40  # standard-library modules a corpus draws from
 

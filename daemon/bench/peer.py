@@ -30,6 +30,7 @@ from mtpserve.bench import serve as serve_bench
 from mtpserve.bench.peer_gguf import write_gguf
 from mtpserve.bench.peer_llama import (LlamaCache, llama_greedy, llama_tokenize, setup, start_llama_server,
                                        start_python_server)
+from mtpserve.bench.serve_dataset import make_prompts
 from mtpserve.bench.serve_launch import Instance, stop_all
 from mtpserve.bench.serve_report import format_run
 from mtpserve.instance import BUNDLED_MODEL
@@ -155,7 +156,7 @@ def start_servers(args: argparse.Namespace, cache: LlamaCache, ggufs: dict[str, 
 async def run_checks(session: aiohttp.ClientSession, args: argparse.Namespace, tokenizer: Tokenizer,
                      instances: dict[str, Instance]) -> dict:
     reference, checked = instances[REFERENCE].url, instances[CHECKED].url
-    prompts = serve_bench.make_prompts(_serve_args(args, num_prompts=max(args.num_prompts, args.greedy_prompts)))
+    prompts = make_prompts(_serve_args(args, num_prompts=max(args.num_prompts, args.greedy_prompts)))
     tokens = await check_tokenizer(session, reference, tokenizer, prompts)
     print(f"tokenizer: llama.cpp and mtpserve agree on {tokens['agree']}/{tokens['prompts']} prompts", flush=True)
     if tokens["disagreements"]:
@@ -263,7 +264,7 @@ def format_greedy(greedy: dict) -> str:
 async def run_levels(session: aiohttp.ClientSession, args: argparse.Namespace,
                      instances: dict[str, Instance]) -> list[dict]:
     """`bench serve`'s run_level per output length × concurrency × server, the servers in turn."""
-    prompts = serve_bench.make_prompts(_serve_args(args))
+    prompts = make_prompts(_serve_args(args))
     models = {label: await _model_name(session, instance.url) for label, instance in instances.items()}
     labels, runs, turn = list(instances), [], 0
     for output_len in args.output_len:

@@ -31,6 +31,7 @@ from mtpserve.bench.route_launch import (ROUTER_DECISIONS, effective_engine_conf
                                          scrape, start_router)
 from mtpserve.bench.route_report import (capacity, format_capacity, format_goals, format_table, goals,
                                          instance_figures, labeled, labeled_delta, policy_row)
+from mtpserve.bench.serve_dataset import make_dataset
 from mtpserve.bench.serve_launch import Instance, start_all, stop_all
 from mtpserve.bench.serve_shared_prefix import SharedPrefixPrompt, requests_per_prefix
 from mtpserve.instance import BUNDLED_MODEL
@@ -111,7 +112,7 @@ async def measure(args: argparse.Namespace, instances: list[Instance], log_dir: 
 
 
 def shared_prefix_dataset(args: argparse.Namespace) -> list[SharedPrefixPrompt]:
-    prompts = serve.make_dataset(serve_namespace(args, ""))
+    prompts = make_dataset(serve_namespace(args, ""))
     return [p for p in prompts if isinstance(p, SharedPrefixPrompt)]
 
 

@@ -44,3 +44,10 @@ def slice_prompts(prompts: Sequence[_Prompt], slices: int, part: int) -> Sequenc
     """Part `part` of `slices` nearly equal consecutive parts of a level's prompts."""
     bounds = [round(i * len(prompts) / slices) for i in range(slices + 1)]
     return prompts[bounds[part]:bounds[part + 1]]
+
+
+def step_part(prompts: Sequence[_Prompt], slices: int, part: int) -> list[_Prompt]:
+    """The step load's prompts for its part `part` of `slices`: all of them, from the part's share on, so the
+    parts do not all send the same first ones (every instance the same in one part)."""
+    start = part * len(prompts) // slices
+    return [*prompts[start:], *prompts[:start]]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mtpserve.bench import serve
+from mtpserve.bench import serve, serve_dataset
 
 
 def _args(base_url, tmp_path, *extra):
@@ -39,8 +39,8 @@ async def test_bench_serve_against_fake_engine(fake_server, tmp_path, endpoint):
 
 def test_prompts_are_deterministic(tmp_path):
     a = _args("http://x", tmp_path)
-    assert serve.make_prompts(a) == serve.make_prompts(a)
-    assert len(serve.make_prompts(a)) == 8
+    assert serve_dataset.make_prompts(a) == serve_dataset.make_prompts(a)
+    assert len(serve_dataset.make_prompts(a)) == 8
 
 
 def test_compare_plots_earlier_runs(tmp_path):
