@@ -27,12 +27,13 @@ def test_the_command_compares_the_policy_with_every_k_round_by_round(tmp_path):
 
 @pytest.mark.skipif(not model_available(), reason="no bundled model")
 def test_a_closed_loop_round_serves_every_request_and_the_pinned_runner_is_reported_against_k0(tmp_path):
-    out = tmp_path / "engine.json"
+    out, trace = tmp_path / "engine.json", tmp_path / "adaptive.trace"
     done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
                            "--model", str(BUNDLED), "--model-adaptive", "--model-closed-loop", "--model-pin", "0",
                            "--model-batch", "2", "--model-k", "0", "2", "--model-prompt-len", "32",
                            "--model-max-tokens", "8", "--model-rounds", "2", "--model-temperature", "1.5",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--model-trace", str(trace), "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     [row] = json.loads(out.read_text())["adaptive"]
     assert row["closed_loop"] is True
@@ -48,9 +49,17 @@ def test_a_closed_loop_round_serves_every_request_and_the_pinned_runner_is_repor
         counts = {name: rounds[r] for name, rounds in tokens.items()}
         assert len(set(counts.values())) == 1, counts
         assert counts["k0"] == sum(max(1, round(8 * (0.75 + 0.5 * ((i * 37) % 64) / 64))) for i in range(6))
+    # NOTE: the adaptive core's steps alone: its decisions, and the tokens it emitted (its rounds' and the untimed
+    # steps that end a round), not the three other cores' as well
+    lines = trace.read_text().splitlines()
+    assert lines[0].startswith("# time tokens rows")
+    assert any(line.startswith("#d ") for line in lines)
+    emitted = sum(int(line.split()[-1]) for line in lines if not line.startswith("#"))
+    assert sum(tokens["adaptive"]) <= emitted < 2 * sum(tokens["adaptive"])
 
 
-@pytest.mark.parametrize("option", [["--model-pin", "0"], ["--model-closed-loop"], ["--model-temperature", "1.5"]])
+@pytest.mark.parametrize("option", [["--model-pin", "0"], ["--model-closed-loop"], ["--model-temperature", "1.5"],
+                                    ["--model-trace", "adaptive.trace"]])
 def test_an_option_of_the_adaptive_comparison_without_it_is_refused(tmp_path, option):
     done = subprocess.run([sys.executable, "-m", "mtpserve.cli", "bench", "engine", "--skip-synthetic",
                            "--model", str(BUNDLED), *option, "--out", str(tmp_path / "engine.json")],

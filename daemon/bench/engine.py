@@ -75,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-pin", type=int, nargs="*", default=[], metavar="DEPTH",
                    help="model, with --model-adaptive: add the adaptive core's runner with every row's drafts "
                         "pinned to each DEPTH (k<K>@<DEPTH>), which splits the K runner's cost from the policy's")
+    p.add_argument("--model-trace", type=Path, default=None, metavar="PATH",
+                   help="model, with --model-adaptive: append the adaptive core's step trace to PATH (the columns "
+                        "MTP_STEP_TRACE writes; the fixed cores are not traced)")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", type=Path, default=Path("engine-bench.json"), help="JSON results file")
     p.set_defaults(func=run)
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: refused, not ignored: a run without the option it was asked for reports figures of another run
     needs_adaptive = [name for name, given in (("--model-pin", args.model_pin),
                                                ("--model-closed-loop", args.model_closed_loop),
-                                               ("--model-temperature", args.model_temperature)) if given]
+                                               ("--model-temperature", args.model_temperature),
+                                               ("--model-trace", args.model_trace)) if given]
     if needs_adaptive and not args.model_adaptive:
         raise SystemExit(f"{', '.join(needs_adaptive)}: only with --model-adaptive")
     if any(not 0 <= depth <= max(args.model_k) for depth in args.model_pin):
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         report["model_dir"] = str(args.model)
         report["adaptive"] = run_adaptive_bench(args.model, args.model_batch, args.model_k, args.model_prompt_len,
                                                 args.model_max_tokens, args.model_rounds, args.model_temperature,
-                                                args.model_closed_loop, args.model_pin)
+                                                args.model_closed_loop, args.model_pin, args.model_trace)
     elif args.model is not None:
         from mtpserve.bench.engine_model import run_model_bench
 

@@ -46,12 +46,14 @@ REQUESTS_PER_STREAM = 3  # a closed-loop round's requests per stream
 
 def run_adaptive_bench(model_dir: Path, batches: list[int], ks: list[int], prompt_len: int, max_tokens: int,
                        rounds: int, temperature: float, closed_loop: bool = False,
-                       pinned: list[int] | None = None) -> list[dict]:
+                       pinned: list[int] | None = None, trace: Path | None = None) -> list[dict]:
     from mtpserve.model.loader import load_serving_model
 
     model = load_serving_model(model_dir, draft_weight_dtype=SpeculativeConfig().draft_weight_dtype)
     cores = {f"k{k}": _core(model, k, adaptive=False) for k in ks}
     cores[ADAPTIVE] = _core(model, max(ks), adaptive=True)
+    if trace is not None:  # NOTE: after the start-up profile, as a served rank's trace reads after its profile
+        cores[ADAPTIVE].trace_to(str(trace))
     for depth in pinned or []:
         cores[pinned_name(max(ks), depth)] = core = _core(model, max(ks), adaptive=False)
         core.speculation.forced = depth

@@ -116,6 +116,12 @@ class EngineCore(Generic[R]):
         """Requests admitted but not running: queued, preempted, or held by the KV connector."""
         return len(self.scheduler.waiting) + self.connector.num_pending
 
+    def trace_to(self, path: str) -> None:
+        """Trace this core's steps and the policy's decisions to `path` (step_trace.py), whatever MTP_STEP_TRACE
+        says: `bench engine --model-trace` traces the adaptive core alone, where every core of the process
+        shares one pid."""
+        self._trace = self.speculation.trace = StepTrace.to_file(path)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.connector.num_pending or self.has_runnable_work())
 
@@ -243,6 +249,8 @@ class EngineCore(Generic[R]):
         for launched in self._inflight:
             launched.future.result()
         self._inflight.clear()
+        if self._trace is not None:
+            self._trace.flush()
         self.runner.close()
         self.connector.close()
 

@@ -43,9 +43,12 @@ class StepTrace:
     @classmethod
     def from_env(cls) -> StepTrace | None:
         prefix = os.environ.get(TRACE_ENV)
-        if not prefix:
-            return None
-        out = open(f"{prefix}.{os.getpid()}", "a", buffering=1 << 16)  # noqa: SIM115 (lives with the process)
+        return cls.to_file(f"{prefix}.{os.getpid()}") if prefix else None
+
+    @classmethod
+    def to_file(cls, path: str) -> StepTrace:
+        """A trace appended to `path`, after a line naming its columns."""
+        out = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (lives with the process)
         out.write("# " + " ".join(COLUMNS) + "\n")
         return cls(out)
 
