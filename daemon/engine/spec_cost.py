@@ -43,10 +43,11 @@ class Curve:
     interpolated linearly between cells; below the lowest cell its value (a small step costs what reading
     the weights costs, not less), above the highest its value per unit of x.
 
-    A sample may come with a context c (what the step attends, `StepLoad.context`): `context_slope()` is
-    what y grows by per unit of c, from the samples of cells that saw short and long contexts, and
-    `settle(per_context)` ends the learning: each cell keeps the lower quartile of its samples' y less
-    per_context * c, the cell's cost at no context (the caller adds per_context * c back)."""
+    A sample may come with what the step's attention reads: keys k and (query, key) pairs c (`StepLoad`).
+    `attention_slopes()` is what y grows by per key and per pair, from the samples of cells that saw short
+    and long contexts, and `settle(per_key, per_pair)` ends the learning: each cell keeps the lower
+    quartile of its samples' y less per_key * k + per_pair * c, the cell's cost at no context (the caller
+    adds that back)."""
 
     MIN_SAMPLES = 3
     WEIGHT = 0.05  # of a new sample: a cell follows its last ~20 samples
@@ -58,11 +59,11 @@ class Curve:
         self._x: dict[int, float] = {}
         self._y: dict[int, float] = {}
         self._count: dict[int, int] = {}
-        self._samples: dict[int, deque[tuple[float, float]]] | None = {}  # a cell's last (y, c), until settled
+        self._samples: dict[int, deque[tuple[float, float, float]]] | None = {}  # a cell's last (y, c, k), until settled
         self._points: tuple[list[float], list[float]] | None = None  # the known cells, sorted
         self._at: dict[int, int] = {}  # a known cell's place in them
 
-    def observe(self, x: float, y: float, context: float = 0.0) -> None:
+    def observe(self, x: float, y: float, context: float = 0.0, keys: float = 0.0) -> None:
         if self._samples is None:
             return
         key = round(4 * math.log2(max(x, 1.0)))
@@ -70,7 +71,7 @@ class Curve:
         samples = self._samples.get(key)
         if samples is None:
             samples = self._samples[key] = deque(maxlen=self.KEPT)
-        samples.append((y, context))
+        samples.append((y, context, keys))
         # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) sample fades
         weight = max(1.0 / count, self.WEIGHT)
         self._x[key] = self._x.get(key, x) + weight * (x - self._x.get(key, x))
@@ -94,23 +95,35 @@ class Curve:
         share = (x - xs[i - 1]) / max(xs[i] - xs[i - 1], 1e-9)
         return ys[i - 1] + share * (ys[i] - ys[i - 1])
 
-    def context_slope(self) -> float:
-        """Seconds per unit of context: per cell, the lower quartiles of its long-context and short-context
-        samples (split halfway between its shortest and longest) over their contexts' difference; the
-        median over the cells that saw both (0 if none did)."""
-        slopes = []
-        for samples in (self._samples or {}).values():
-            ys, cs = np.array([y for y, _ in samples]), np.array([c for _, c in samples])
-            long = cs > (cs.min() + cs.max()) / 2
-            if long.sum() < self.MIN_SAMPLES or (~long).sum() < self.MIN_SAMPLES:
-                continue
-            rise = np.quantile(ys[long], self.QUANTILE) - np.quantile(ys[~long], self.QUANTILE)
-            slopes.append(rise / (np.median(cs[long]) - np.median(cs[~long])))
-        return max(float(np.median(slopes)), 0.0) if slopes else 0.0
+    def attention_slopes(self) -> tuple[float, float]:
+        """Seconds per key read and per (query, key) pair: per cell and window (pairs per key), the lower
+        quartiles of its long-context and short-context samples (split halfway between its fewest and most
+        keys) and the medians of their keys and pairs; then the two slopes that fit those rises best, by
+        least squares, neither below 0 ((0, 0) if no cell saw both contexts).
 
-    def settle(self, per_context: float = 0.0) -> None:
-        """Keep each cell at the lower quartile of its samples (less `per_context` * their context), and
-        learn no more.
+        NOTE: a window's keys are read once and every query dots every key (spec_load.plan_load), so a
+        window of w tokens pays the keys' cost once and the pairs' w times. Where the KV outgrows the
+        caches, reading a key costs more than a dot product: priced per pair alone, a depth-0 step at 64
+        rows of ~360-token contexts took 1.72x its curves' time and a depth-1 step 1.19x (docs/benchmarks.md,
+        the fifty-first session), and a depth's price lent to another was wrong by the difference."""
+        rises: list[tuple[float, float, float]] = []  # (keys, pairs, seconds) more, long over short
+        for samples in (self._samples or {}).values():
+            by_window: dict[int, list[tuple[float, float, float]]] = {}
+            for y, c, k in samples:
+                by_window.setdefault(round(c / k) if k > 0 else 0, []).append((y, c, k))
+            for group in by_window.values():
+                ys, cs, ks = (np.array(column) for column in zip(*group))
+                long = ks > (ks.min() + ks.max()) / 2
+                if long.sum() < self.MIN_SAMPLES or (~long).sum() < self.MIN_SAMPLES:
+                    continue
+                rises.append((float(np.median(ks[long]) - np.median(ks[~long])),
+                              float(np.median(cs[long]) - np.median(cs[~long])),
+                              float(np.quantile(ys[long], self.QUANTILE) - np.quantile(ys[~long], self.QUANTILE))))
+        return _nonnegative_fit(rises)
+
+    def settle(self, per_key: float = 0.0, per_pair: float = 0.0) -> None:
+        """Keep each cell at the lower quartile of its samples (less `per_key` * their keys and `per_pair` *
+        their pairs), and learn no more.
 
         NOTE: the start-up profile's samples are the device's time plus whatever else ran on the host
         meanwhile (another process starting, the kernel's own work); that only ever adds time, and on
@@ -119,7 +132,8 @@ class Curve:
         if self._samples is None:
             return
         for key, samples in self._samples.items():
-            self._y[key] = float(np.quantile([y - per_context * c for y, c in samples], self.QUANTILE))
+            self._y[key] = float(np.quantile([y - per_key * k - per_pair * c for y, c, k in samples],
+                                             self.QUANTILE))
         self._samples = None
         self._points = None
 
@@ -131,6 +145,19 @@ class Curve:
         return self._points
 
 
+def _nonnegative_fit(rises: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 that minimise the squared error of a * keys + b * pairs against seconds over `rises`."""
+    if not rises:
+        return 0.0, 0.0
+    keys, pairs, seconds = (np.array(column) for column in zip(*rises))
+    both = np.linalg.lstsq(np.stack([keys, pairs], axis=1), seconds, rcond=None)[0]
+    if both.min() >= 0:
+        return float(both[0]), float(both[1])
+    alone = [max(float(seconds @ x) / max(float(x @ x), 1e-30), 0.0) for x in (keys, pairs)]
+    errors = [float(np.square(seconds - alone[0] * keys).sum()), float(np.square(seconds - alone[1] * pairs).sum())]
+    return (alone[0], 0.0) if errors[0] <= errors[1] else (0.0, alone[1])
+
+
 class StepLoad(NamedTuple):
     """What a step computes, as the cost model sees it."""
 
@@ -140,6 +167,7 @@ class StepLoad(NamedTuple):
     has_prefill: bool
     num_emitting: int = 0  # rows that emit (decode windows, last prompt chunks)
     context: int = 0  # what attention reads: decode windows' (query, key) pairs, prompt chunks' positions
+    keys: int = 0  # of it, the keys: decode rows' KV at their windows' ends, prompt chunks' positions
 
 
 class Prediction(NamedTuple):
@@ -159,18 +187,29 @@ def _depth_prior(n: float) -> float:
     return 5e-4 + 5e-5 * n
 
 
+class Attention(NamedTuple):
+    """What attention costs a pass (seconds): per key read, per (query, key) pair."""
+
+    per_key: float = 0.0
+    per_pair: float = 0.0
+
+    def __call__(self, load: StepLoad) -> float:
+        return self.per_key * load.keys + self.per_pair * load.context
+
+
 class StepCosts:
     """The device's time for a step, as curves over what it computes. A decode step:
 
-        device = target(N) + a_target * C + D * (depth(N) + a_depth * C),
+        device = target(N) + A_target(K, C) + D * (depth(N) + A_depth(K, C)),
 
     a step with a prefill chunk:
 
-        device = mixed(N) + a_target * C + drafts_D(N) + D * a_depth * C,
+        device = mixed(N) + A_target(K, C) + drafts_D(N) + D * A_depth(K, C),
 
     with mixed_alone(N) for mixed(N) where no depth runs (D = 0),
 
-    N the target pass's tokens, C what its attention reads (`StepLoad.context`), D the depths.
+    N the target pass's tokens, K and C the keys and (query, key) pairs its attention reads (`StepLoad`),
+    A(K, C) = a * K + b * C what they cost a pass (`Attention`), D the depths.
 
     NOTE: attention grows with the rows' contexts, which N does not see: measured here at 16 rows,
     384-token prompts instead of 32 doubled a depth-0 step (2.2 -> 4.4 ms) and each depth's draft time
@@ -194,8 +233,8 @@ class StepCosts:
         self.mixed_alone = Curve(lambda n: self.mixed(n))
         self.depth = Curve(_depth_prior)  # depth(N) of decode-only steps
         self._mixed_drafts: dict[int, Curve] = {}  # drafts_D(N) of steps with a prefill chunk, by D
-        self.per_context_target = 0.0  # a_target: seconds per attended position (0 until profiled)
-        self.per_context_depth = 0.0  # a_depth
+        self.target_attention = Attention()  # A_target (nothing until profiled)
+        self.depth_attention = Attention()  # A_depth
         self.frozen = False
 
     def mixed_drafts(self, depths: int) -> Curve:
@@ -208,7 +247,7 @@ class StepCosts:
 
     def device(self, load: StepLoad) -> float:
         """The device thread's time for a step like `load`, as the curves have it."""
-        attention = (self.per_context_target + load.depth * self.per_context_depth) * load.context
+        attention = self.target_attention(load) + load.depth * self.depth_attention(load)
         return self._target(load)(load.num_tokens) + attention + self._drafts(load)
 
     def _target(self, load: StepLoad) -> Curve:
@@ -233,14 +272,13 @@ class StepCosts:
     def freeze(self) -> None:
         """Keep the curves as they are (the start-up profile's, on a machine serving nobody): serving's
         own costs are measured apart (`ServingExtra`)."""
-        self.per_context_target = self.decode.context_slope()
-        self.per_context_depth = self.depth.context_slope()
-        self.decode.settle(self.per_context_target)
-        self.mixed.settle(self.per_context_target)
-        self.mixed_alone.settle(self.per_context_target)
-        self.depth.settle(self.per_context_depth)
+        target = self.target_attention = Attention(*self.decode.attention_slopes())
+        depth = self.depth_attention = Attention(*self.depth.attention_slopes())
+        for curve in (self.decode, self.mixed, self.mixed_alone):
+            curve.settle(*target)
+        self.depth.settle(*depth)
         for depths, curve in self._mixed_drafts.items():
-            curve.settle(depths * self.per_context_depth)
+            curve.settle(depths * depth.per_key, depths * depth.per_pair)
         self.frozen = True
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
@@ -250,12 +288,12 @@ class StepCosts:
             return
         target = self._target(load)
         if timing is None:
-            target.observe(load.num_tokens, max(seconds - self._drafts(load), 0.0), load.context)
+            target.observe(load.num_tokens, max(seconds - self._drafts(load), 0.0), load.context, load.keys)
             return
-        target.observe(load.num_tokens, timing.target_seconds, load.context)
+        target.observe(load.num_tokens, timing.target_seconds, load.context, load.keys)
         if not load.depth:
             return
         if load.has_prefill:
-            self.mixed_drafts(load.depth).observe(load.num_tokens, timing.draft_seconds, load.context)
+            self.mixed_drafts(load.depth).observe(load.num_tokens, timing.draft_seconds, load.context, load.keys)
         else:
-            self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth, load.context)
+            self.depth.observe(load.num_tokens, timing.draft_seconds / load.depth, load.context, load.keys)

@@ -22,6 +22,7 @@ class PlanLoad(NamedTuple):
     prefill_tokens: int  # of them, prompt chunks'
     num_emitting: int  # rows that emit
     context: int  # `StepLoad.context` (0 where not asked for)
+    keys: int  # `StepLoad.keys` (0 where not asked for)
 
 
 def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
@@ -37,7 +38,7 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     with every key. At one row on this host, 224 more positions of context added 0.07 ms to a depth-0
     step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
     priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
-    num_tokens = prefill = emitting = attended = 0
+    num_tokens = prefill = emitting = attended = keys = 0
     for row in plan.rows:
         width = row.num_tokens
         num_tokens += width
@@ -45,9 +46,12 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
         if row.is_prefill:
             prefill += width
             attended += row.start_pos + width
+            keys += row.start_pos + width
         elif with_context:  # NOTE: `pairs`, inline: a call a row was ~15% of the walk at 64 rows
-            attended += width * (row.request.num_kv_tokens + width)
-    return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0)
+            kv = row.request.num_kv_tokens + width
+            attended += width * kv
+            keys += kv
+    return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0, keys if with_context else 0)
 
 
 def pairs(width: _Count, kv: _Count) -> _Count:
@@ -66,6 +70,7 @@ def decode_loads(plan: SchedulePlan, emits: np.ndarray, caps: np.ndarray,
     def load(depth: int) -> StepLoad:
         window = np.maximum(np.minimum(caps, depth), floors) + 1
         context = chunks + int(pairs(window, kv)[decoding].sum())
-        return StepLoad(int(window.sum()), len(plan.rows), depth, False, context=context)
+        keys = chunks + int((kv + window)[decoding].sum())
+        return StepLoad(int(window.sum()), len(plan.rows), depth, False, context=context, keys=keys)
 
     return load
