@@ -5,15 +5,15 @@ finish to its own). Two layers:
 
 1. The device's time for a step, as curves over what it computes (`StepCosts`):
 
-       device = target(N) + a_target * C + D * (depth(N) + a_depth * C)
+       device = target(N) + A_target(K, C) + D * (depth(N) + A_depth(K, C))
 
    target(N): the device thread's time for everything but drafting (target pass over N tokens, LM head,
    verification, logprobs), one curve for decode-only steps and one for steps with a prefill chunk (a
    decode token is also a logit row, a prompt token is not, and on a small model the LM head costs as
    much as a layer); depth(N): one MTP depth over the same N tokens (a step with a prefill chunk has a
-   curve per number of depths instead, `StepCosts` says why); C: what the step's attention reads (a
-   decode window's (query token, key) pairs, a prompt chunk's positions), and a_target, a_depth what
-   each unit costs the target pass and a depth. The device thread's times come from the step itself
+   curve per number of depths instead, `StepCosts` says why); K and C: the keys the step's attention
+   reads and the (query token, key) pairs it dots, and A(K, C) what they cost the target pass and a depth
+   (`Attention`). The device thread's times come from the step itself
    (`StepTiming`), taken where it already waits for the device, so timing adds no sync. A short profile
    at start-up (rank_setup.profile_steps), serving nobody yet, fills them at every depth, a few batch
    sizes and a short and a long context, and prompts alone at every depth; then they are frozen.
@@ -214,7 +214,8 @@ class StepCosts:
     NOTE: attention grows with the rows' contexts, which N does not see: measured here at 16 rows,
     384-token prompts instead of 32 doubled a depth-0 step (2.2 -> 4.4 ms) and each depth's draft time
     (0.7 -> 1.5 ms), and curves over N alone, profiled at short contexts, charged a depth half of what it
-    costs in serving. A window's every token dots every key (speculation._context says what that did).
+    costs in serving. A window reads its row's keys once and its every token dots every key
+    (spec_load.plan_load says what counting only one of the two did).
 
     NOTE: drafts_D, a curve per D, because a prompt's depths do not cost alike: the last depth runs its
     layer's MLP and head at the frontier only, the depths before it over every position (their hidden

@@ -27,8 +27,9 @@ class PlanLoad(NamedTuple):
 
 def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     """The plan's tokens, prompt tokens, emitting rows and (`with_context`) what its attention reads: a decode
-    window's tokens each read the row's KV (query-key pairs: its width times its KV length at the end of it); a
-    prompt chunk counts its KV length at the end of it once (its attention is the mixed curve's).
+    window reads the row's KV once (keys: its KV length at the end of it) and its tokens each dot every key
+    (pairs: its width times that length); a prompt chunk counts its KV length at the end of it once in
+    both (its attention is the mixed curve's).
 
     NOTE: one pass, once a step (`Speculation.choose`; `shape` reads it again): three walks of the rows (the
     policy's, the step shape's, the plan's own token sum) cost ~15 us a step at 16 rows on this host, and the
@@ -37,7 +38,9 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     NOTE: the attention kernel (ops_ext/paged_attention.cc) reads a row's keys once but dots every query
     with every key. At one row on this host, 224 more positions of context added 0.07 ms to a depth-0
     step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
-    priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster."""
+    priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster. Counted per
+    pair alone, the profile priced a depth-0 step at 64 rows of ~360-token contexts at 0.58 of its time
+    and a depth-1 step at 0.84 (spec_cost.Curve.attention_slopes)."""
     num_tokens = prefill = emitting = attended = keys = 0
     for row in plan.rows:
         width = row.num_tokens
