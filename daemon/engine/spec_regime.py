@@ -44,7 +44,9 @@ from collections import deque
 # served 1.031 of k1 by the median of six rounds (its HIGH phases at depth 1, 1.10 the tokens a second of 0.5's
 # traced), but a shallower depth priced from a deeper spell looked dearer than it is, and at 16 streams the
 # policy stayed at depth 1 in four visits of seven (87-94% of rows; side by side over three rounds 0.955 of k0
-# against 0.970 at 0.5, whose visits ran depth 1 for 38%, 15% and 1%). Kept at 0.5.
+# against 0.970 at 0.5, whose visits ran depth 1 for 38%, 15% and 1%). Kept at 0.5. Tried at 0.25 again once
+# attention was priced per key (the fifty-second session, the curves right by depth): 0.995 of 0.5 under the
+# stepped load and 0.988 at 16 and 64 streams on code, side by side. Kept at 0.5.
 TOKENS_POWER = 0.5
 
 
