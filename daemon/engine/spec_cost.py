@@ -13,10 +13,12 @@ finish to its own). Two layers:
    much as a layer); depth(N): one MTP depth over the same N tokens (a step with a prefill chunk has a
    curve per number of depths instead, `StepCosts` says why); K and C: the keys the step's attention
    reads and the (query token, key) pairs it dots, and A(K, C) what they cost the target pass and a depth
-   (`Attention`). The device thread's times come from the step itself
+   (`Attention`); a prompt chunk's pairs over its prompt's earlier positions are priced apart (`StepCosts`).
+   The device thread's times come from the step itself
    (`StepTiming`), taken where it already waits for the device, so timing adds no sync. A short profile
    at start-up (rank_setup.profile_steps), serving nobody yet, fills them at every depth, a few batch
-   sizes and a short and a long context, and prompts alone at every depth; then they are frozen.
+   sizes and a short and a long context, and prompts alone at every depth (one in two chunks); then they
+   are frozen.
 2. What serving adds to it (`ServingExtra`, spec_extra.py): the period less the device time, measured by the rows
    that emit, apart for steps with a prefill chunk and without. The host loop, the HTTP process and any
    client share the cores with the device and add about as much to a step whatever depth it runs.
@@ -145,6 +147,11 @@ class Curve:
         return self._points
 
 
+def _low(values: list[float]) -> float:
+    """The lower quartile of `values` (as a settled cell keeps), never below 0; 0 for none."""
+    return max(float(np.quantile(values, Curve.QUANTILE)), 0.0) if values else 0.0
+
+
 def _nonnegative_fit(rises: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(a, b) >= 0 that minimise the squared error of a * keys + b * pairs against seconds over `rises`."""
     if not rises:
@@ -168,6 +175,7 @@ class StepLoad(NamedTuple):
     num_emitting: int = 0  # rows that emit (decode windows, last prompt chunks)
     context: int = 0  # what attention reads: decode windows' (query, key) pairs, prompt chunks' positions
     keys: int = 0  # of it, the keys: decode rows' KV at their windows' ends, prompt chunks' positions
+    prefix: int = 0  # prompt chunks' (query, key) pairs over their prompts' earlier positions: width x start
 
 
 class Prediction(NamedTuple):
@@ -204,12 +212,14 @@ class StepCosts:
 
     a step with a prefill chunk:
 
-        device = mixed(N) + A_target(K, C) + drafts_D(N) + D * A_depth(K, C),
+        device = mixed(N) + A_target(K, C) + drafts_D(N) + D * A_depth(K, C) + (p_target + p_D) * P,
 
     with mixed_alone(N) for mixed(N) where no depth runs (D = 0),
 
     N the target pass's tokens, K and C the keys and (query, key) pairs its attention reads (`StepLoad`),
-    A(K, C) = a * K + b * C what they cost a pass (`Attention`), D the depths.
+    A(K, C) = a * K + b * C what they cost a pass (`Attention`), D the depths, P the chunks' pairs over their
+    prompts' earlier positions and p_target, p_D what one costs the target pass and the D depths
+    (`_fit_prefix`).
 
     NOTE: attention grows with the rows' contexts, which N does not see: measured here at 16 rows,
     384-token prompts instead of 32 doubled a depth-0 step (2.2 -> 4.4 ms) and each depth's draft time
@@ -236,6 +246,9 @@ class StepCosts:
         self._mixed_drafts: dict[int, Curve] = {}  # drafts_D(N) of steps with a prefill chunk, by D
         self.target_attention = Attention()  # A_target (nothing until profiled)
         self.depth_attention = Attention()  # A_depth
+        self.prefix_target = 0.0  # P_target: seconds per pair of a prompt chunk over its prompt's earlier positions
+        self.prefix_drafts: dict[int, float] = {}  # P_D: the same for a step's D depths, by D
+        self._prefix_samples: list[tuple[StepLoad, float, float]] = []  # (load, target, drafts seconds) till frozen
         self.frozen = False
 
     def mixed_drafts(self, depths: int) -> Curve:
@@ -249,6 +262,8 @@ class StepCosts:
     def device(self, load: StepLoad) -> float:
         """The device thread's time for a step like `load`, as the curves have it."""
         attention = self.target_attention(load) + load.depth * self.depth_attention(load)
+        if load.prefix:
+            attention += load.prefix * (self.prefix_target + self.prefix_drafts.get(load.depth, 0.0))
         return self._target(load)(load.num_tokens) + attention + self._drafts(load)
 
     def _target(self, load: StepLoad) -> Curve:
@@ -280,12 +295,44 @@ class StepCosts:
         self.depth.settle(*depth)
         for depths, curve in self._mixed_drafts.items():
             curve.settle(depths * depth.per_key, depths * depth.per_pair)
+        self._fit_prefix()
         self.frozen = True
+
+    def _fit_prefix(self) -> None:
+        """P_target and each P_D from the profile's prompt chunks at an offset: what each took beyond the settled
+        curves' price of the same chunk with no earlier positions, per prefix pair (a low quantile, as a cell
+        keeps), never below 0; only chunks with at least as many prefix pairs as pairs within themselves, so
+        that the offset is most of what they cost beyond the curves.
+
+        NOTE: a chunk's queries dot every earlier position of its prompt, read from the cache, and the curves
+        (of prompts prefilled whole) saw none of that. In one process at 4 rows of 1,024-token prompts (in
+        chunks of 512, `max_prefill_chunk`), a chunk at offset 512 took 45-65 ms more than one at 0 (~75 ms), of it
+        ~10 ms in a depth-2 step's drafts and none in a depth-1 step's (the last depth runs only at the
+        frontier); the prompts' share was priced a third low, and the policy ran depth 2 where depth 1 served
+        7% more (docs/benchmarks.md, the fifty-third session)."""
+        targets: list[float] = []
+        drafts: dict[int, list[float]] = {}
+        for load, target, draft in self._prefix_samples:
+            if 2 * load.prefix < load.num_tokens * load.num_tokens:
+                continue
+            alone = load._replace(prefix=0)
+            beyond = target - self._target(alone)(alone.num_tokens) - self.target_attention(alone)
+            targets.append(beyond / load.prefix)
+            beyond = draft - self._drafts(alone) - alone.depth * self.depth_attention(alone)
+            drafts.setdefault(load.depth, []).append(beyond / load.prefix)
+        self.prefix_target = _low(targets)
+        self.prefix_drafts = {depth: _low(rises) if depth else 0.0 for depth, rises in drafts.items()}
+        self._prefix_samples = []
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:
         """A finished step: its load, its period, and the device thread's times (None: not measured, as
         with the synthetic runner; then the period less the depths' estimate is the target's)."""
         if self.frozen:
+            return
+        if load.prefix:  # NOTE: the curves are of chunks with no earlier positions; these price the offset
+            drafts = self._drafts(load) if timing is None else timing.draft_seconds
+            target_seconds = max(seconds - drafts, 0.0) if timing is None else timing.target_seconds
+            self._prefix_samples.append((load, target_seconds, drafts))
             return
         target = self._target(load)
         if timing is None:

@@ -23,13 +23,15 @@ class PlanLoad(NamedTuple):
     num_emitting: int  # rows that emit
     context: int  # `StepLoad.context` (0 where not asked for)
     keys: int  # `StepLoad.keys` (0 where not asked for)
+    prefix: int  # `StepLoad.prefix` (0 where not asked for)
 
 
 def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     """The plan's tokens, prompt tokens, emitting rows and (`with_context`) what its attention reads: a decode
     window reads the row's KV once (keys: its KV length at the end of it) and its tokens each dot every key
     (pairs: its width times that length); a prompt chunk counts its KV length at the end of it once in
-    both (its attention is the mixed curve's).
+    both (its attention over itself is the mixed curve's), and its pairs over the prompt's earlier positions
+    apart (prefix: its width times its start; StepCosts prices them).
 
     NOTE: one pass, once a step (`Speculation.choose`; `shape` reads it again): three walks of the rows (the
     policy's, the step shape's, the plan's own token sum) cost ~15 us a step at 16 rows on this host, and the
@@ -41,7 +43,7 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster. Counted per
     pair alone, the profile priced a depth-0 step at 64 rows of ~360-token contexts at 0.58 of its time
     and a depth-1 step at 0.84 (spec_cost.Curve.attention_slopes)."""
-    num_tokens = prefill = emitting = attended = keys = 0
+    num_tokens = prefill = emitting = attended = keys = prefix = 0
     for row in plan.rows:
         width = row.num_tokens
         num_tokens += width
@@ -50,11 +52,14 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
             prefill += width
             attended += row.start_pos + width
             keys += row.start_pos + width
+            prefix += width * row.start_pos
         elif with_context:  # NOTE: `pairs`, inline: a call a row was ~15% of the walk at 64 rows
             kv = row.request.num_kv_tokens + width
             attended += width * kv
             keys += kv
-    return PlanLoad(num_tokens, prefill, emitting, attended if with_context else 0, keys if with_context else 0)
+    if not with_context:
+        return PlanLoad(num_tokens, prefill, emitting, 0, 0, 0)
+    return PlanLoad(num_tokens, prefill, emitting, attended, keys, prefix)
 
 
 def pairs(width: _Count, kv: _Count) -> _Count:

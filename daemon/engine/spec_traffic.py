@@ -17,6 +17,7 @@ class Traffic:
         self._output_tokens = 0.0  # tokens a finished request emitted, recently
         self._num_finished = 0
         self.chunk_tokens = 0.0  # prompt tokens of a step that prefilled, recently
+        self.chunk_prefix = 0.0  # its (query, key) pairs over its prompts' earlier positions (StepLoad.prefix)
         self._num_chunks = 0
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -26,13 +27,16 @@ class Traffic:
         self._prompt_tokens += weight * (prompt_tokens - self._prompt_tokens)
         self._output_tokens += weight * (output_tokens - self._output_tokens)
 
-    def observe_chunk(self, prompt_tokens: int) -> None:
-        """A step with `prompt_tokens` (> 0) of prompts in it.
+    def observe_chunk(self, prompt_tokens: int, prefix: int = 0) -> None:
+        """A step with `prompt_tokens` (> 0) of prompts in it, and `prefix` pairs of them over their prompts'
+        earlier positions.
 
         NOTE: the policy plans for the load, not for this step's chunk, so one large prompt does not flip the
         depth, and leave gaps, for a step."""
         self._num_chunks += 1
-        self.chunk_tokens += max(1.0 / self._num_chunks, LOAD_WEIGHT) * (prompt_tokens - self.chunk_tokens)
+        weight = max(1.0 / self._num_chunks, LOAD_WEIGHT)
+        self.chunk_tokens += weight * (prompt_tokens - self.chunk_tokens)
+        self.chunk_prefix += weight * (prefix - self.chunk_prefix)
 
     def prefill_per_token(self) -> float:
         """Prompt tokens prefilled per token emitted, over recently finished requests.

@@ -127,7 +127,7 @@ class Speculation:
         any other)."""
         load = self._last[1] if self._last is not None and self._last[0] is plan else plan_load(plan, self.adaptive)
         return StepLoad(load.num_tokens, len(plan.rows), int(drafts.max(initial=0)), load.prefill_tokens > 0,
-                        load.num_emitting, load.context, load.keys)
+                        load.num_emitting, load.context, load.keys, load.prefix)
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> Prediction:
         """A finished step: its load, its period, the device thread's times. Returns what the model made
@@ -164,7 +164,8 @@ class Speculation:
         serving has measured the two kinds of step."""
         chunk = max(self.traffic.chunk_tokens, 1.0)
         mixed = decode._replace(num_tokens=decode.num_tokens + round(chunk), has_prefill=True,
-                                context=decode.context + round(chunk), keys=decode.keys + round(chunk))
+                                context=decode.context + round(chunk), keys=decode.keys + round(chunk),
+                                prefix=round(self.traffic.chunk_prefix))
         serving = self.extra.chunk_extra(num_emitting, decode.depth)
         return max(self.costs.device(mixed) + serving - self.costs.device(decode), 0.0) / chunk
 
@@ -177,7 +178,7 @@ class Speculation:
         self._steps += 1
         prefill, num_emitting = load.prefill_tokens, load.num_emitting
         if prefill:
-            self.traffic.observe_chunk(prefill)
+            self.traffic.observe_chunk(prefill, load.prefix)
         if plan.inserts:
             self._admit(plan.inserts)
         held = self._held

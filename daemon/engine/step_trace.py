@@ -28,8 +28,8 @@ from mtpserve.engine.step_plan import StepTiming
 
 TRACE_ENV = "MTP_STEP_TRACE"
 SCHEDULE_ENV = "MTP_DEPTH_SCHEDULE"
-COLUMNS = ("time", "tokens", "rows", "emitting", "depth", "prefill", "context", "keys", "period_ms", "target_ms",
-           "draft_ms", "quiet_ms", "predicted_ms", "emitted")
+COLUMNS = ("time", "tokens", "rows", "emitting", "depth", "prefill", "context", "keys", "prefix", "period_ms",
+           "target_ms", "draft_ms", "quiet_ms", "predicted_ms", "emitted")
 # NOTE: a decision's figures as functions of the depth: the expected tokens, the priced period, the prompts'
 # share of it, what serving adds to it, and what caution adds to it for the choice (spec_seek.doubt_seconds)
 Prices = tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float], Callable[[int], float],
@@ -66,9 +66,9 @@ class StepTrace:
                emitted: int) -> None:
         target, draft = (timing.target_seconds, timing.draft_seconds) if timing is not None else (0.0, 0.0)
         self._out.write(f"{time.monotonic():.4f} {load.num_tokens} {load.num_rows} {load.num_emitting} "
-                        f"{load.depth} {int(load.has_prefill)} {load.context} {load.keys} {period * 1e3:.3f} "
-                        f"{target * 1e3:.3f} {draft * 1e3:.3f} {quiet * 1e3:.3f} {predicted * 1e3:.3f} "
-                        f"{emitted}\n")
+                        f"{load.depth} {int(load.has_prefill)} {load.context} {load.keys} {load.prefix} "
+                        f"{period * 1e3:.3f} {target * 1e3:.3f} {draft * 1e3:.3f} {quiet * 1e3:.3f} "
+                        f"{predicted * 1e3:.3f} {emitted}\n")
 
 
 class DepthSchedule:

@@ -1,5 +1,5 @@
 """Shared by the speculation policy's pricing tests: a synthetic device one row runs on, and a policy profiled on
-it as the start-up profile does."""
+it as the start-up profile does; rows of decode windows, and a device whose attention reads keys from memory."""
 
 import numpy as np
 from mtpserve.engine.request import EngineRequest, Request
@@ -45,3 +45,22 @@ def profiled(acceptance: float) -> Speculation:
     spec.instance.whole.tried[:] = spec.requests.tried[0] = 1000.0
     spec.instance.whole.accepted[:] = spec.requests.accepted[0] = 1000.0 * acceptance
     return spec
+
+
+def rows_of(num_rows: int, kv: int, window: int) -> SchedulePlan:
+    """`num_rows` greedy decode rows in slots 0.., each a window of `window` tokens after `kv` of KV."""
+    rows = []
+    for i in range(num_rows):
+        request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
+        request.num_kv_tokens = kv
+        rows.append(ScheduledRow(request, 0, i, False, window, 0, True))
+    return SchedulePlan(tuple(rows), (), (), ())
+
+
+def memory_bound_ms(rows: int, kv: int, depth: int) -> tuple[float, float]:
+    """(target, drafts) of a decode step on a device where attention reads each key from memory (0.3 us a
+    key to the target pass, 0.08 to a depth) and dots it with each query (0.04 and 0.01 us a pair)."""
+    window = depth + 1
+    keys, pairs = rows * (kv + window), rows * window * (kv + window)
+    target = 1.0 + 0.05 * rows * window + 0.3e-3 * keys + 0.04e-3 * pairs
+    return target, depth * (0.3 + 0.02 * rows * window + 0.08e-3 * keys + 0.01e-3 * pairs)

@@ -1,5 +1,6 @@
-"""What the policy pays for what it decides: how it prices a step's attention and its prompt chunks, how a
-request that stopped drafting gets to draft again, and how often it decides at all (docs/speculation.md)."""
+"""What the policy pays for what it decides: how it prices a step's attention (its prompt chunks:
+test_spec_prompts.py), how a request that stopped drafting gets to draft again, and how often it decides at all
+(docs/speculation.md)."""
 
 import io
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import Curve
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.spec_hold import HOLD_STEPS, MAX_HOLD_STEPS
@@ -15,8 +16,9 @@ from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.engine.step_trace import StepTrace
 from mtpserve.ipc.sampling_params import SamplingParams
-from spec_device import device_ms, one_row, profiled
+from spec_device import device_ms, memory_bound_ms, one_row, profiled, rows_of
 from spec_rows import K, decode_row
+
 
 @pytest.fixture(autouse=True)
 def steady(monkeypatch):
@@ -37,25 +39,6 @@ def test_a_wide_window_pays_for_its_attention_per_query_token():
     spec._held = None
     spec._by_rows.clear()  # NOTE: no decision to resume either: a new one at the new context
     assert spec.choose(one_row(32, K + 1))[0] > 1
-
-
-def rows_of(num_rows: int, kv: int, window: int) -> SchedulePlan:
-    """`num_rows` greedy decode rows in slots 0.., each a window of `window` tokens after `kv` of KV."""
-    rows = []
-    for i in range(num_rows):
-        request = Request(EngineRequest(i, (1, 2, 3), SamplingParams(temperature=0.0)), i, 0)
-        request.num_kv_tokens = kv
-        rows.append(ScheduledRow(request, 0, i, False, window, 0, True))
-    return SchedulePlan(tuple(rows), (), (), ())
-
-
-def memory_bound_ms(rows: int, kv: int, depth: int) -> tuple[float, float]:
-    """(target, drafts) of a decode step on a device where attention reads each key from memory (0.3 us a
-    key to the target pass, 0.08 to a depth) and dots it with each query (0.04 and 0.01 us a pair)."""
-    window = depth + 1
-    keys, pairs = rows * (kv + window), rows * window * (kv + window)
-    target = 1.0 + 0.05 * rows * window + 0.3e-3 * keys + 0.04e-3 * pairs
-    return target, depth * (0.3 + 0.02 * rows * window + 0.08e-3 * keys + 0.01e-3 * pairs)
 
 
 def test_a_memory_bound_depth_0_is_priced_at_many_rows_the_profile_never_ran():
@@ -274,71 +257,3 @@ def test_a_seeded_sample_drafts_its_cap_while_a_decision_for_depth_0_holds():
     for plan in (SchedulePlan(tuple(rows), (seeded,), (), ()), *[SchedulePlan(tuple(rows), (), (), ())] * 10):
         drafts = spec.choose(plan)
         assert drafts[5] == 2 and not drafts[hopeless].any()
-
-
-def test_a_prompt_chunk_is_priced_per_number_of_depths_as_measured():
-    """A device where a prompt's last depth costs 1 us a token and each depth before it 4 us (the last
-    computes its MLP and head at the frontier only), and a decode step's depth 4 us a token: a step with a
-    prompt chunk is priced per number of depths as its samples say, not as that many decode depths (which
-    charged one depth over a prompt twice what it cost); a number never measured falls back to those."""
-    costs = StepCosts()
-    for n in (64, 256, 512):
-        for _ in range(Curve.MIN_SAMPLES):
-            costs.observe(StepLoad(n, 1, 0, True), 0.0, StepTiming(30e-6 * n, 0.0))
-            for depths in (1, 2):
-                drafts = (1e-6 + 4e-6 * (depths - 1)) * n
-                costs.observe(StepLoad(n, 1, depths, True), 0.0, StepTiming(30e-6 * n, drafts))
-    for n in (8, 16, 32, 64):
-        for _ in range(Curve.MIN_SAMPLES):
-            costs.observe(StepLoad(n, n // 2, 1, False), 0.0, StepTiming(10e-6 * n, 4e-6 * n))
-    costs.freeze()
-    bare = costs.device(StepLoad(256, 1, 0, True))
-    one, two, three = (costs.device(StepLoad(256, 1, depths, True)) - bare for depths in (1, 2, 3))
-    assert one == pytest.approx(1e-6 * 256) and two == pytest.approx(5e-6 * 256)
-    assert three == pytest.approx(3 * 4e-6 * 256)  # never measured: three decode depths
-
-
-def test_a_prompt_chunk_s_target_pass_is_priced_apart_with_a_depth_and_without():
-    """A device whose prompt chunks take 30 us a token in the target pass where a depth reads every
-    position's hidden state and 25 us where none runs (the last block's MLP at the logit rows alone):
-    each kind of step is priced with its own samples; before any depth-0 chunk is measured, with the
-    other kind's."""
-    costs = StepCosts()
-    for n in (64, 256, 512):
-        for _ in range(Curve.MIN_SAMPLES):
-            costs.observe(StepLoad(n, 1, 1, True), 0.0, StepTiming(30e-6 * n, 1e-6 * n))
-    assert costs.device(StepLoad(256, 1, 0, True)) == pytest.approx(30e-6 * 256)
-    for n in (64, 256, 512):
-        for _ in range(Curve.MIN_SAMPLES):
-            costs.observe(StepLoad(n, 1, 0, True), 0.0, StepTiming(25e-6 * n, 0.0))
-    costs.freeze()
-    assert costs.device(StepLoad(256, 1, 0, True)) == pytest.approx(25e-6 * 256)
-    assert costs.device(StepLoad(256, 1, 1, True)) == pytest.approx(31e-6 * 256)
-
-
-def test_what_serving_adds_to_steps_with_a_prompt_chunk_is_kept_apart_from_decode_steps():
-    """Measured at 16 streams on code: serving's decode steps took 1.4 ms more than the profile's curves,
-    its steps with a prompt chunk 2.5 ms less (the profile's prefills have no decode rows beside them).
-    A decode step is priced with the decode steps' extra alone (one mean over both priced it 0.45 ms
-    short, and the policy ran depth 0 where depth 1 was faster), and a prompt token with the difference."""
-    extra = ServingExtra()
-    assert extra.measured(16, has_prefill=True) == 0.0
-    for i in range(ServingExtra.MIN_SAMPLES):
-        extra.observe(16, 4.1e-3, 2.7e-3)
-    assert extra.measured(16, has_prefill=True) == pytest.approx(1.4e-3)  # none measured: a decode step's
-    for i in range(10 * ServingExtra.MIN_SAMPLES):
-        extra.observe(16, 4.1e-3, 2.7e-3)
-        if i % 10 == 0:
-            extra.observe(16, 16e-3, 18.5e-3, has_prefill=True)
-    assert extra.seconds(16) == pytest.approx(1.4e-3)
-    assert extra.measured(16, has_prefill=True) == pytest.approx(-2.5e-3)
-    assert extra.seconds(16, has_prefill=True) == 0.0  # a period is never priced below the quiet profile's
-
-    spec = Speculation(K, adaptive=True, num_slots=16)
-    spec.extra = extra
-    spec.traffic.chunk_tokens = 256.0
-    decode = StepLoad(32, 16, 1, False, 16, 16 * 2 * 300)
-    mixed = decode._replace(num_tokens=32 + 256, has_prefill=True, context=decode.context + 256)
-    quiet = (spec.costs.device(mixed) - spec.costs.device(decode)) / 256
-    assert spec._prefill_cost(decode, 16) == pytest.approx(quiet - 3.9e-3 / 256)
-    assert spec.observe(decode, 5e-3, None).period == pytest.approx(spec.costs.device(decode) + 1.4e-3)

@@ -82,4 +82,5 @@ def test_the_trace_is_off_unless_asked(monkeypatch):
     assert StepTrace.from_env() is None
     out = io.StringIO()
     StepTrace(out).record(StepLoad(8, 4, 1, False, 4, 100, 50), 3e-3, None, 2e-3, 2.5e-3, 6)
-    assert out.getvalue().split()[6:] == ["100", "50", "3.000", "0.000", "0.000", "2.000", "2.500", "6"]
+    assert out.getvalue().split()[6:] == ["100", "50", "0", "3.000", "0.000", "0.000", "2.000", "2.500",
+                                          "6"]
