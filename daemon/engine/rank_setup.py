@@ -124,7 +124,7 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     docs/speculation.md); a few seconds here. Each batch's prompts are prefilled once, at depth K, and
     then decode `num_windows` steps at each depth in turn (a prompt's MTP KV gaps change what its drafts
     are worth, not what a step costs); after each pass, prompts of `prompts` tokens are prefilled alone at
-    every depth, and one twice the scheduler's chunk (its second chunk is at an offset).
+    every depth, the longest as two of the scheduler's chunks (its second is at an offset).
 
     NOTE: in `passes` rounds, each in another order, so that a burst of other work on the host lands in
     one round's samples of a cell and the cell's lower quartile (Curve.settle) leaves it out. Every row
@@ -142,10 +142,12 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     # pairs over earlier positions from it); none where that does not fit. Of two chunks, not a chunk and a
     # shorter one: a chunk of 256 at offset 512 cost 60-170 ns a pair more (one process, the bundled model), a
     # chunk of 512 there 100-210, and serving's chunks of 512 at 512 ~134 (likely: a head's keys and values for
-    # 1,024 positions outgrow a core's L2, 512 KB here)
+    # 1,024 positions outgrow a core's L2, 512 KB here). Its first chunk is a prompt of one chunk prefilled whole,
+    # so that prompt is not prefilled besides it: the profile took 18.5-20.5 s with it, 14.8-17.8 without, in one
+    # process on this session's slow host.
     offset = min(2 * config.max_prefill_chunk, room, config.max_model_len // 2 or room)
     if offset > config.max_prefill_chunk:
-        prompt_lengths += (offset,)
+        prompt_lengths = tuple(n for n in prompt_lengths if n != config.max_prefill_chunk) + (offset,)
     loads = [(batch, length) for length in lengths for batch in sizes if length == lengths[0] or batch <= long_batches]
     depths = list(range(spec.max_drafts + 1))
     wanted = num_windows * (spec.max_drafts + 1) * len(depths)
