@@ -147,7 +147,7 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
     # process on this session's slow host.
     offset = min(2 * config.max_prefill_chunk, room, config.max_model_len // 2 or room)
     if offset > config.max_prefill_chunk:
-        prompt_lengths = tuple(n for n in prompt_lengths if n != config.max_prefill_chunk) + (offset,)
+        prompt_lengths = tuple(sorted(set(prompt_lengths) - {config.max_prefill_chunk} | {offset}))
     loads = [(batch, length) for length in lengths for batch in sizes if length == lengths[0] or batch <= long_batches]
     depths = list(range(spec.max_drafts + 1))
     wanted = num_windows * (spec.max_drafts + 1) * len(depths)

@@ -107,7 +107,7 @@ def test_a_prompt_s_later_chunks_are_priced_with_their_pairs_over_earlier_positi
     """1,024-token prompts in chunks of 512, 256 tokens out, 4 rows of ~1,000 positions decoding, accepting
     0.9: depth 2's decode steps serve more than depth 1's, but each prompt's second chunk dots its 512 queries
     with the 512 positions before it, in the target pass and in every depth but the last, and depth 1 serves
-    4% more in all. Profiled as start-up does (a prompt of a chunk and a half: its second chunk at an offset),
+    4% more in all. Profiled with a chunk at an offset besides prompts prefilled whole, as start-up does,
     the offset's costs are recovered and the policy drafts one; profiled on prompts prefilled whole it
     priced the prompts' share a third low and drafted two."""
     def profiled(offset: bool) -> Speculation:
@@ -115,8 +115,9 @@ def test_a_prompt_s_later_chunks_are_priced_with_their_pairs_over_earlier_positi
         for rows, kv in [(rows, kv) for rows in (1, 4, 16) for kv in (32, 384)] + [(64, 32)]:
             for depth in range(K + 1):
                 load = spec.shape(rows_of(rows, kv, depth + 1), np.full(rows, depth))
+                target, drafts = decode_ms(rows, kv, depth)
                 for noise in (1.0, 1.1, 1.3):
-                    spec.costs.observe(load, 0.0, StepTiming(*(ms * noise * 1e-3 for ms in decode_ms(rows, kv, depth))))
+                    spec.costs.observe(load, 0.0, StepTiming(target * noise * 1e-3, drafts * noise * 1e-3))
         for depth in range(K + 1):
             for width, start in [(64, 0), (256, 0), (512, 0)] + [(256, 512)] * offset:
                 load = spec.shape(prompt_chunk(width, start), np.array([depth]))
