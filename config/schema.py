@@ -87,6 +87,11 @@ class SpeculativeConfig:
                                   "weights in; float16 halves what a draft depth reads. Drafts are only "
                                   "guesses that the float32 main model verifies: this can change acceptance, "
                                   "never the output (docs/speculation.md)", choices=("float32", "float16"))
+    profile_cache: str = key("", "directory keeping the start-up profile of step costs, so that a restart with "
+                             "the same host, code, model and engine settings plans with it instead of profiling "
+                             "again (a profile is kept a day); empty: $CACHE_DIRECTORY, else $XDG_CACHE_HOME/mtpserve "
+                             "or ~/.cache/mtpserve; off: profile at every start (docs/speculation.md)",
+                             flag="--speculative-profile-cache")
 
 
 @dataclass(frozen=True)

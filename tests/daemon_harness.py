@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -98,6 +99,12 @@ def post_json(url: str, body: dict, timeout: float = 120) -> dict:
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a metric's samples on /metrics (0 when absent)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def _lower_limits(limits: dict[int, int]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from daemon_harness import Daemon, free_port, model_available, status_of, wait_until
+from daemon_harness import Daemon, free_port, metric, model_available, status_of, wait_until
 from daemon_harness import post_json as post
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the bundled model is not there")
@@ -82,14 +81,6 @@ def prompts(n: int) -> list[str]:
 
 def greedy(prompt: str, **extra) -> dict:
     return {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 3, **extra}
-
-
-def metric(url: str, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    return sum(values)
 
 
 def kv_used(daemon: Daemon) -> float:

@@ -42,6 +42,10 @@ class Instance:
         port, name = _free_port(), f"bench-{label}-{uuid.uuid4().hex[:6]}"
         argv = [sys.executable, "-m", "mtpserve.cli", "serve", "--port", str(port), "--instance", name,
                 "--log-level", "warning", *args]
+        # NOTE: every launch profiles its step costs afresh unless told otherwise: a relaunched round is
+        # another draw of the whole start, and with a kept profile every round of an instance would plan
+        # with the first one's (docs/speculation.md, "The start-up profile")
+        env = {PROFILE_CACHE_VAR: "off", **(os.environ if env is None else env)}
         return cls(label, f"http://127.0.0.1:{port}", popen_logged(argv, log_path, env), name)
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
@@ -70,6 +74,7 @@ class Instance:
             return False
 
 
+PROFILE_CACHE_VAR = "MTPSERVE_SPECULATIVE_PROFILE_CACHE"  # speculative.profile_cache (config/loader.py)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 

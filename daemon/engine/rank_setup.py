@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from mtpserve.engine.engine_factory import build_model_engine, core_config, runn
 from mtpserve.engine.model_runner import PaddleModelRunner
 from mtpserve.engine.rank_loop import RankLoop
 from mtpserve.engine.request import EngineRequest
+from mtpserve.engine.spec_profile import ProfileCache, profile_key
 from mtpserve.engine.spec_stats import AcceptanceStats
 from mtpserve.ipc import request_channel as rc
 from mtpserve.ipc import wire
@@ -46,7 +48,7 @@ class EngineSetup:
         channel = await rc.RequestChannelServer.start(runtime_dir)
         wake = asyncio.Event()
         core = build_core(model, config, tp, channel, wake)
-        warm_up(core)
+        warm_up(core, model_dir, config)
         freeze_heap()
         output = OutputChannel.attach(instance_name(config))
         sender = OutputSender(output.address, rank=rank, vocab_size=core.runner.vocab_size,
@@ -93,15 +95,31 @@ def build_core(model: ServingModel, config: Config, tp: TensorParallel, channel:
     return EngineCore(core_config(model, config.engine, cfg, config.speculative), runner, connector)
 
 
-def warm_up(core: EngineCore) -> None:
-    """One short greedy request end to end, results discarded; then the speculation policy's profile."""
+def warm_up(core: EngineCore, model_dir: Path, config: Config) -> None:
+    """One short greedy request end to end, results discarded; then the speculation policy's step costs."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     core.add_request(EngineRequest(-1, WARMUP_PROMPT, params))
     _drain(core)
-    profile_steps(core)
+    if core.speculation.adaptive:
+        step_costs(core, ProfileCache.from_setting(config.speculative.profile_cache), profile_key(model_dir, config))
     # NOTE: the warm-up's prompts are not clients': neither their blocks nor their counts stay
     core.reset_prefix_cache()
     core.scheduler.prefix.clear_counts()
+
+
+def step_costs(core: EngineCore, cache: ProfileCache, key: str) -> None:
+    """The policy's step costs: the profile an earlier start like this one kept (spec_profile.py), else a profile
+    now, kept for the next."""
+    logger, started = log.get_logger("mtpserve.engine"), time.monotonic()
+    kept = cache.load(key)
+    if kept is None:
+        profile_steps(core)
+        cache.save(key, core.speculation.costs.state())
+    else:
+        core.speculation.costs.restore(kept)
+        _forget(core)
+    logger.info("step costs", source="measured" if kept is None else "kept", key=key,
+                seconds=round(time.monotonic() - started, 2))
 
 
 def freeze_heap() -> None:
@@ -172,9 +190,15 @@ def profile_steps(core: EngineCore, batches: tuple[int, ...] = (1, 4, 16, 64), n
         _profile_prompts(core, depths if round_ % 2 == 0 else depths[::-1], serial, prompt_lengths)
     spec.forced = None
     spec.costs.freeze()
-    # NOTE: the profile's prompts say nothing of what clients' drafts are worth, nor its steps of serving's
-    spec.forget_profile()
-    core.acceptance = AcceptanceStats(spec.max_drafts)
+    _forget(core)
+
+
+def _forget(core: EngineCore) -> None:
+    """What the warm-up's steps taught but the step costs.
+
+    NOTE: its prompts say nothing of what clients' drafts are worth, nor its steps of serving's."""
+    core.speculation.forget_profile()
+    core.acceptance = AcceptanceStats(core.speculation.max_drafts)
 
 
 def _profile_prompts(core: EngineCore, depths: list[int], serial: Iterator[int],

@@ -23,146 +23,18 @@ finish to its own). Two layers:
    that emit, apart for steps with a prefill chunk and without. The host loop, the HTTP process and any
    client share the cores with the device and add about as much to a step whatever depth it runs.
 
-Each curve is a `Curve`, measured per cell and read between cells by interpolation: no functional form is
-assumed (on a CPU the cost per token falls as batches grow, which a linear fit got wrong by 2x).
+Each curve is a `Curve` (spec_curve.py), measured per cell and read between cells by interpolation. The frozen
+curves can be kept on disk for the next start (`CostsState`, spec_profile.py).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
+import msgspec
 
+from mtpserve.engine.spec_curve import Curve, CurveState, low_quantile
 from mtpserve.engine.step_plan import StepTiming
-
-
-class Curve:
-    """y(x) from samples: an exponentially weighted mean of x and y per cell (x in quarter octaves),
-    interpolated linearly between cells; below the lowest cell its value (a small step costs what reading
-    the weights costs, not less), above the highest its value per unit of x.
-
-    A sample may come with what the step's attention reads: keys k and (query, key) pairs c (`StepLoad`).
-    `attention_slopes()` is what y grows by per key and per pair, from the samples of cells that saw short
-    and long contexts, and `settle(per_key, per_pair)` ends the learning: each cell keeps the lower
-    quartile of its samples' y less per_key * k + per_pair * c, the cell's cost at no context (the caller
-    adds that back)."""
-
-    MIN_SAMPLES = 3
-    WEIGHT = 0.05  # of a new sample: a cell follows its last ~20 samples
-    QUANTILE = 0.25  # what a settled cell keeps
-    KEPT = 256  # samples a cell remembers for it
-
-    def __init__(self, prior: Callable[[float], float]) -> None:
-        self.prior = prior
-        self._x: dict[int, float] = {}
-        self._y: dict[int, float] = {}
-        self._count: dict[int, int] = {}
-        self._samples: dict[int, deque[tuple[float, float, float]]] | None = {}  # a cell's last (y, c, k), until settled
-        self._points: tuple[list[float], list[float]] | None = None  # the known cells, sorted
-        self._at: dict[int, int] = {}  # a known cell's place in them
-
-    def observe(self, x: float, y: float, context: float = 0.0, keys: float = 0.0) -> None:
-        if self._samples is None:
-            return
-        key = round(4 * math.log2(max(x, 1.0)))
-        count = self._count[key] = self._count.get(key, 0) + 1
-        samples = self._samples.get(key)
-        if samples is None:
-            samples = self._samples[key] = deque(maxlen=self.KEPT)
-        samples.append((y, context, keys))
-        # NOTE: a plain mean until the weight takes over, so a cell's first (often slow) sample fades
-        weight = max(1.0 / count, self.WEIGHT)
-        self._x[key] = self._x.get(key, x) + weight * (x - self._x.get(key, x))
-        self._y[key] = self._y.get(key, y) + weight * (y - self._y.get(key, y))
-        points, at = self._points, self._at.get(key)
-        if points is not None and at is not None:
-            # NOTE: a known cell moves in place: sorted again, every step's prediction cost ~10 us
-            points[0][at], points[1][at] = self._x[key], self._y[key]
-        elif count >= self.MIN_SAMPLES:
-            self._points = None
-
-    def __call__(self, x: float) -> float:
-        xs, ys = self._known()
-        if not xs:
-            return self.prior(x)
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return ys[0]
-        if i == len(xs):
-            return ys[-1] * x / xs[-1]
-        share = (x - xs[i - 1]) / max(xs[i] - xs[i - 1], 1e-9)
-        return ys[i - 1] + share * (ys[i] - ys[i - 1])
-
-    def attention_slopes(self) -> tuple[float, float]:
-        """Seconds per key read and per (query, key) pair: per cell and window (pairs per key), the lower
-        quartiles of its long-context and short-context samples (split halfway between its fewest and most
-        keys) and the medians of their keys and pairs; then the two slopes that fit those rises best, by
-        least squares, neither below 0 ((0, 0) if no cell saw both contexts).
-
-        NOTE: a window's keys are read once and every query dots every key (spec_load.plan_load), so a
-        window of w tokens pays the keys' cost once and the pairs' w times. Where the KV outgrows the
-        caches, reading a key costs more than a dot product: priced per pair alone, a depth-0 step at 64
-        rows of ~360-token contexts took 1.72x its curves' time and a depth-1 step 1.19x (docs/benchmarks.md,
-        the fifty-first session), and a depth's price lent to another was wrong by the difference."""
-        rises: list[tuple[float, float, float]] = []  # (keys, pairs, seconds) more, long over short
-        for samples in (self._samples or {}).values():
-            by_window: dict[int, list[tuple[float, float, float]]] = {}
-            for y, c, k in samples:
-                by_window.setdefault(round(c / k) if k > 0 else 0, []).append((y, c, k))
-            for group in by_window.values():
-                ys, cs, ks = (np.array(column) for column in zip(*group))
-                long = ks > (ks.min() + ks.max()) / 2
-                if long.sum() < self.MIN_SAMPLES or (~long).sum() < self.MIN_SAMPLES:
-                    continue
-                rises.append((float(np.median(ks[long]) - np.median(ks[~long])),
-                              float(np.median(cs[long]) - np.median(cs[~long])),
-                              float(np.quantile(ys[long], self.QUANTILE) - np.quantile(ys[~long], self.QUANTILE))))
-        return _nonnegative_fit(rises)
-
-    def settle(self, per_key: float = 0.0, per_pair: float = 0.0) -> None:
-        """Keep each cell at the lower quartile of its samples (less `per_key` * their keys and `per_pair` *
-        their pairs), and learn no more.
-
-        NOTE: the start-up profile's samples are the device's time plus whatever else ran on the host
-        meanwhile (another process starting, the kernel's own work); that only ever adds time, and on
-        this 2-core host one burst moved a cell's mean 20-30% between two profiles of one process, which
-        is more than the depths differ by. A low quantile is the device's time on a quiet host."""
-        if self._samples is None:
-            return
-        for key, samples in self._samples.items():
-            self._y[key] = float(np.quantile([y - per_key * k - per_pair * c for y, c, k in samples],
-                                             self.QUANTILE))
-        self._samples = None
-        self._points = None
-
-    def _known(self) -> tuple[list[float], list[float]]:
-        if self._points is None:
-            keys = sorted(k for k, n in self._count.items() if n >= self.MIN_SAMPLES)
-            self._points = [self._x[k] for k in keys], [self._y[k] for k in keys]
-            self._at = {k: i for i, k in enumerate(keys)}
-        return self._points
-
-
-def _low(values: list[float]) -> float:
-    """The lower quartile of `values` (as a settled cell keeps), never below 0; 0 for none."""
-    return max(float(np.quantile(values, Curve.QUANTILE)), 0.0) if values else 0.0
-
-
-def _nonnegative_fit(rises: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 that minimise the squared error of a * keys + b * pairs against seconds over `rises`."""
-    if not rises:
-        return 0.0, 0.0
-    keys, pairs, seconds = (np.array(column) for column in zip(*rises))
-    both = np.linalg.lstsq(np.stack([keys, pairs], axis=1), seconds, rcond=None)[0]
-    if both.min() >= 0:
-        return float(both[0]), float(both[1])
-    alone = [max(float(seconds @ x) / max(float(x @ x), 1e-30), 0.0) for x in (keys, pairs)]
-    errors = [float(np.square(seconds - alone[0] * keys).sum()), float(np.square(seconds - alone[1] * pairs).sum())]
-    return (alone[0], 0.0) if errors[0] <= errors[1] else (0.0, alone[1])
 
 
 class StepLoad(NamedTuple):
@@ -203,6 +75,20 @@ class Attention(NamedTuple):
 
     def __call__(self, load: StepLoad) -> float:
         return self.per_key * load.keys + self.per_pair * load.context
+
+
+class CostsState(msgspec.Struct, frozen=True):
+    """The frozen step-cost model (`StepCosts.state`): every curve and fitted slope, as the profile left them."""
+
+    decode: CurveState
+    mixed: CurveState
+    mixed_alone: CurveState
+    depth: CurveState
+    mixed_drafts: dict[int, CurveState]  # by the step's number of depths
+    target_attention: tuple[float, float]  # (per key, per pair) seconds
+    depth_attention: tuple[float, float]
+    prefix_target: float
+    prefix_drafts: dict[int, float]  # by the step's number of depths
 
 
 class StepCosts:
@@ -298,6 +184,29 @@ class StepCosts:
         self._fit_prefix()
         self.frozen = True
 
+    def state(self) -> CostsState:
+        """The frozen model, to be kept (spec_profile.py)."""
+        assert self.frozen, "only the frozen model is kept"
+        return CostsState(self.decode.state(), self.mixed.state(), self.mixed_alone.state(), self.depth.state(),
+                          {depths: curve.state() for depths, curve in self._mixed_drafts.items()},
+                          (self.target_attention.per_key, self.target_attention.per_pair),
+                          (self.depth_attention.per_key, self.depth_attention.per_pair), self.prefix_target,
+                          dict(self.prefix_drafts))
+
+    def restore(self, state: CostsState) -> None:
+        """Freeze the model as `state` has it, in place of a profile (whatever it had learnt is dropped)."""
+        for curve, kept in ((self.decode, state.decode), (self.mixed, state.mixed),
+                            (self.mixed_alone, state.mixed_alone), (self.depth, state.depth)):
+            curve.restore(kept)
+        self._mixed_drafts = {}
+        for depths, kept in state.mixed_drafts.items():
+            self.mixed_drafts(depths).restore(kept)
+        self.target_attention = Attention(*state.target_attention)
+        self.depth_attention = Attention(*state.depth_attention)
+        self.prefix_target, self.prefix_drafts = state.prefix_target, dict(state.prefix_drafts)
+        self._prefix_samples = []
+        self.frozen = True
+
     def _fit_prefix(self) -> None:
         """P_target and each P_D from the profile's prompt chunks at an offset: what each took beyond the settled
         curves' price of the same chunk with no earlier positions, per prefix pair (a low quantile, as a cell
@@ -320,8 +229,8 @@ class StepCosts:
             targets.append(beyond / load.prefix)
             beyond = draft - self._drafts(alone) - alone.depth * self.depth_attention(alone)
             drafts.setdefault(load.depth, []).append(beyond / load.prefix)
-        self.prefix_target = _low(targets)
-        self.prefix_drafts = {depth: _low(rises) if depth else 0.0 for depth, rises in drafts.items()}
+        self.prefix_target = low_quantile(targets)
+        self.prefix_drafts = {depth: low_quantile(rises) if depth else 0.0 for depth, rises in drafts.items()}
         self._prefix_samples = []
 
     def observe(self, load: StepLoad, seconds: float, timing: StepTiming | None) -> None:

@@ -42,7 +42,7 @@ def plan_load(plan: SchedulePlan, with_context: bool) -> PlanLoad:
     step's target pass and 0.18-0.20 ms to a depth-2 or depth-3 step's; counted once per row, the profile
     priced a depth-3 step at one row 20% low and the policy drafted 3 where 2 was 7% faster. Counted per
     pair alone, the profile priced a depth-0 step at 64 rows of ~360-token contexts at 0.58 of its time
-    and a depth-1 step at 0.84 (spec_cost.Curve.attention_slopes)."""
+    and a depth-1 step at 0.84 (spec_curve.Curve.attention_slopes)."""
     num_tokens = prefill = emitting = attended = keys = prefix = 0
     for row in plan.rows:
         width = row.num_tokens

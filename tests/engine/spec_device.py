@@ -4,7 +4,7 @@ it as the start-up profile does; rows of decode windows, and a device whose atte
 import numpy as np
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.speculation import Speculation
 from mtpserve.engine.step_plan import StepTiming
 from mtpserve.ipc.sampling_params import SamplingParams

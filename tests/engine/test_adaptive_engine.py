@@ -9,7 +9,7 @@ from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
-from mtpserve.engine.spec_cost import Curve
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.model import small_matmul
 from test_model_runner import drafty_model, prompts
 

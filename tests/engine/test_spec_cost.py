@@ -2,7 +2,8 @@
 profile's settled cells, and what attention costs per key and per pair."""
 
 import pytest
-from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import StepCosts, StepLoad
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.step_plan import StepTiming
 from spec_rows import K
 

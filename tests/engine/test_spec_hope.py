@@ -4,7 +4,8 @@ the try may cost (docs/speculation.md)."""
 import numpy as np
 
 from mtpserve.engine.scheduler import SchedulePlan
-from mtpserve.engine.spec_cost import Curve, StepLoad
+from mtpserve.engine.spec_cost import StepLoad
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.spec_hope import EVERY, MAX_EVERY, Hopes
 from mtpserve.engine.spec_hold import HOLD_STEPS
 from mtpserve.engine.speculation import Speculation

@@ -5,7 +5,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from mtpserve.engine.spec_cost import Curve, StepLoad
+from mtpserve.engine.spec_cost import StepLoad
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import choose_depth, expected_tokens, row_drafts
 from mtpserve.engine.request import EngineRequest, Request

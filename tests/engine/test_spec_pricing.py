@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.spec_hold import HOLD_STEPS, MAX_HOLD_STEPS

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
-from mtpserve.engine.spec_cost import Curve, StepCosts, StepLoad
+from mtpserve.engine.spec_cost import StepCosts, StepLoad
+from mtpserve.engine.spec_curve import Curve
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.speculation import Speculation

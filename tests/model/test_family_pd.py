@@ -6,7 +6,6 @@ completions (k = 2, logprobs) equal the mixed instance's."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import BUNDLED, Daemon, free_port, status_of, wait_until  # noqa: E402
+from daemon_harness import BUNDLED, Daemon, free_port, metric, status_of, wait_until  # noqa: E402
 
 FAMILIES = {"deepseek": deepseek_fixtures, "ernie": ernie_fixtures}
 PROMPTS = [[17, 301, 2045, 88, 999, 4000, 5, 1234, 77], list(range(100, 140)), [3, 3, 3, 9], [4095, 1, 2000] * 7]
@@ -33,12 +32,6 @@ def complete(url: str, prompt: list[int]) -> tuple[list[str], list[float]]:
     with urllib.request.urlopen(request, timeout=120) as response:
         logprobs = json.loads(response.read())["choices"][0]["logprobs"]
     return logprobs["tokens"], logprobs["token_logprobs"]
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on /metrics (0 when absent)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
