@@ -44,7 +44,7 @@ class Instance:
                 "--log-level", "warning", *args]
         # NOTE: every launch profiles its step costs afresh unless told otherwise: a relaunched round is
         # another draw of the whole start, and with a kept profile every round of an instance would plan
-        # with the first one's (docs/speculation.md, "The start-up profile")
+        # with the first one's (docs/speculation.md, "The profile kept for restarts")
         env = {PROFILE_CACHE_VAR: "off", **(os.environ if env is None else env)}
         return cls(label, f"http://127.0.0.1:{port}", popen_logged(argv, log_path, env), name)
 
