@@ -17,7 +17,7 @@ from mtpserve.engine.engine_factory import build_model_engine, core_config, runn
 from mtpserve.engine.model_runner import PaddleModelRunner
 from mtpserve.engine.rank_loop import RankLoop
 from mtpserve.engine.request import EngineRequest
-from mtpserve.engine.spec_profile import ProfileCache, profile_key
+from mtpserve.engine.spec_profile import ProfileCache
 from mtpserve.engine.spec_stats import AcceptanceStats
 from mtpserve.ipc import request_channel as rc
 from mtpserve.ipc import wire
@@ -101,7 +101,7 @@ def warm_up(core: EngineCore, model_dir: Path, config: Config) -> None:
     core.add_request(EngineRequest(-1, WARMUP_PROMPT, params))
     _drain(core)
     if core.speculation.adaptive:
-        step_costs(core, ProfileCache.from_setting(config.speculative.profile_cache), profile_key(model_dir, config))
+        step_costs(core, *ProfileCache.for_start(model_dir, config))
     # NOTE: the warm-up's prompts are not clients': neither their blocks nor their counts stay
     core.reset_prefix_cache()
     core.scheduler.prefix.clear_counts()

@@ -57,6 +57,17 @@ class ProfileCache:
             return cls(None)
         return cls(Path(setting) if setting else default_directory())
 
+    @classmethod
+    def for_start(cls, model_dir: Path, config: Config) -> tuple[ProfileCache, str]:
+        """This start's cache and key (`profile_key`); the cache off where either cannot be had (an unreadable
+        model file, no home directory): a kept profile only saves time, and the start profiles instead."""
+        try:
+            return cls.from_setting(config.speculative.profile_cache), profile_key(model_dir, config)
+        except (OSError, RuntimeError, KeyError) as exc:
+            log.get_logger("mtpserve.engine").warning("step profile not kept: no key for this start",
+                                                      error=f"{type(exc).__name__}: {exc}")
+            return cls(None), ""
+
     def load(self, key: str) -> CostsState | None:
         """The profile kept under `key`, if there is one of this FORMAT no older than MAX_AGE_S; else None (a file
         that cannot be read is reported and ignored: the caller profiles afresh)."""

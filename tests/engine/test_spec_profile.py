@@ -137,3 +137,13 @@ def test_the_key_changes_with_what_a_profile_measures_and_nothing_else(tmp_path)
     (model / "config.json").write_text((model / "config.json").read_text().replace("}", ', "x": 1}', 1))
     assert len({key, retouched, profile_key(model, config)}) == 3
 
+
+
+def test_a_start_without_a_key_profiles_and_keeps_nothing(tmp_path):
+    """A model directory that cannot be read for the key (here: gone) turns the cache off for that start."""
+    config = Config()
+    config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
+                                                                           profile_cache=str(tmp_path / "p")))
+    cache, key = ProfileCache.for_start(tmp_path / "no-model", config)
+    assert cache.directory is None and key == ""
+    assert ProfileCache.for_start(BUNDLED, config)[0].directory == tmp_path / "p"
