@@ -125,6 +125,10 @@ class Regime:
             return None
         return self._settled[depth]
 
+    def settled_steps(self, depth: int) -> int:
+        """The settled steps this depth's settled mean holds while it is recent (0 where it has none)."""
+        return self._settled_count.get(depth, 0) if self._settled_recent(depth) else 0
+
     def settled_error(self, depth: int) -> float:
         """The standard error of the depth's settled mean (as `settled`: 0 where there is none)."""
         if self.settled(depth) is None:

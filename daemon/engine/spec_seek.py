@@ -1,8 +1,8 @@
 """Where the speculation policy measures a price before trusting it (speculation.py): a depth next to the
-chosen one is run for a few steps when its price is borrowed from the depth in use or was left on a burst
-(what serving adds, spec_extra.py), and so is a depth switched to on a price the spell's depth lent it; going
-deeper takes the deeper depth's price some standard errors high, since a few steps' mean wanders by more than the
-switching margin.
+chosen one is run for a few steps when its price is borrowed from the depth in use, was left on a burst, or rests
+on a few steps from a while ago (what serving adds, spec_extra.py), and so is a depth switched to on a price the
+spell's depth lent it; going deeper takes the deeper depth's price some standard errors high, since a few steps'
+mean wanders by more than the switching margin.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
     """A depth whose price is worth measuring now (`rates`: tokens per second by depth; `period`, `added`: a step's
     priced seconds by depth, and what serving adds in them), the chosen `depth` having been chosen over `was`:
     the chosen depth itself if it was switched to on a price the spell's depth lent it (ServingExtra.lender);
-    else a depth next to it, within PRICE_BAND of it, if its price is borrowed from it
-    (ServingExtra.borrowed), or if it was left on a rise and is within the band at what serving added to it
-    before the rise (ServingExtra.suspect), the deeper first; None if none is.
+    else a depth next to it, within PRICE_BAND of it, if its price is borrowed from it (ServingExtra.borrowed)
+    or rests on a few steps from a while ago (ServingExtra.thin), or if it was left on a rise and is within the
+    band at what serving added to it before the rise (ServingExtra.suspect), the deeper first; None if none is.
 
     NOTE: the chosen depth, because a lent price goes when the spell turns to the depth, and its own mean from a
     spell just begun prices it then: on hosts of power 0, whenever the depth left had a settled mean and the
@@ -56,7 +56,8 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
     if depth != was and extra.lender(num_emitting, depth) is not None:
         return depth
     for other in (depth + 1, depth - 1):
-        if worth_pricing(rates, depth, PRICE_BAND, other) and extra.borrowed(num_emitting, other, depth):
+        if worth_pricing(rates, depth, PRICE_BAND, other) and (
+                extra.borrowed(num_emitting, other, depth) or extra.thin(num_emitting, other)):
             return other
     for other in (depth + 1, depth - 1):
         before = extra.suspect(num_emitting, other)

@@ -8,6 +8,7 @@ from mtpserve.engine.request import EngineRequest, Request
 from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
 from mtpserve.engine.spec_cost import StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
+from mtpserve.engine.spec_hold import MAX_HOLD_STEPS
 from mtpserve.engine.spec_policy import expected_tokens
 from mtpserve.engine.spec_regime import TOKENS_POWER
 from mtpserve.engine.spec_seek import SEEK_STEPS
@@ -142,7 +143,42 @@ def test_a_depth_left_on_a_burst_of_host_load_is_served_again(burst):
     assert (ran[2000:] != 1).sum() <= 4 * SEEK_STEPS
 
 
+def after_a_slow_start(depth_2: float) -> Speculation:
+    """A policy that drafted at depth 2 for a fresh instance's first 80 steps, while serving added 0.6 ms a step,
+    and then at depth 1 for 150 steps, serving adding 0.3 (at one stream on code a fresh instance ran depth 2 for
+    1.6 s and then depth 1; its first steps are slow). Short windows (32 tokens of KV); drafts accepted 90% at
+    depth 1, `depth_2` at depth 2, 10% at depth 3 (out of the band: never run)."""
+    spec = profiled(0.9)
+    accepted = 1000.0 * np.array([0.9, depth_2, 0.1])
+    spec.instance.whole.accepted[:] = spec.requests.accepted[0] = accepted
+    for depth, steps, added in ((2, 80, 0.6), (1, 150, 0.3)):
+        spec.forced = depth
+        serve_one_row(spec, steps, {d: added for d in range(K + 1)}, kv=32)
+    spec.forced = None
+    return spec
 
+
+def test_a_depth_priced_by_a_short_spell_long_ago_is_run_again_and_priced_afresh():
+    """Depth 2 serves 15% more than depth 1 here, but priced by its slow start's 48 settled steps it looks 4%
+    worse, and it kept that price until it went stale: ~800 more steps of depth 1, and a seek's steps then only
+    moved its mean part of the way (~1,000 more). A thin price that old (ServingExtra.thin) is renewed by a seek
+    REVISIT_STEPS after its last step, afresh, and the policy serves depth 2."""
+    spec = after_a_slow_start(0.9)
+    ran = serve_one_row(spec, 1500, {d: 0.3 for d in range(K + 1)}, kv=32, noise_ms=0.15)
+    first = ran.index(2)
+    assert first <= ServingExtra.REVISIT_STEPS - 150 + MAX_HOLD_STEPS  # its last step was 150 steps ago
+    assert ran[first:first + SEEK_STEPS] == [2] * SEEK_STEPS
+    settled = spec.extra._regimes[ServingExtra.bucket(1)].settled(2)
+    assert settled is not None and abs(settled - 0.3e-3) < 0.1e-3  # the seek's own steps, not the slow start's
+    assert ran[-1000:].count(2) >= 0.9 * 1000
+
+
+def test_a_thin_price_is_renewed_once_in_a_while_where_the_depth_is_no_better():
+    """Where depth 2 serves ~2% less than depth 1 (within the band, and not taken), its thin price is renewed by
+    one seek, and then not again until it goes stale: the steps that price it are at most two seeks in 1,500."""
+    spec = after_a_slow_start(0.45)
+    ran = serve_one_row(spec, 1500, {d: 0.3 for d in range(K + 1)}, kv=32, noise_ms=0.15)
+    assert SEEK_STEPS <= ran.count(2) <= 2 * SEEK_STEPS
 
 
 def serve_slowed(spec: Speculation, steps: int, slow_ms: float, first: int, power: float = TOKENS_POWER,
