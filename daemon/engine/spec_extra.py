@@ -76,6 +76,12 @@ class ServingExtra:
     # too short a past to compare: that leaving is compared with the mean from before the first rise, once.
     # On the tests' host, a 100-step burst outlasted a seek (SEEK_STEPS) and depth 1 kept the burst's price for
     # STALE_STEPS.
+    # NOTE: a rise that outlasts that second seek too is compared once more, REVISIT_STEPS after the second
+    # leaving (the third of SUSPECT_ROUNDS), not at once: a burst that outlasted two back-to-back seeks is likely
+    # to outlast a third. Served at 16 streams on code, bursts of ~1 s (~50 steps, +3.5 ms on a ~19 ms step) came
+    # while a depth ran; on the tests' host a 200-step burst kept depth 1 (the best by ~9%) off for ~1,050 steps
+    # after it had passed, and with the later seek ~300-350.
+    SUSPECT_ROUNDS = 3
     PAST_STEPS = 100
     RISE = 3.0  # NOTE: of the mean's own standard error: two readings of a noisy mean, each ~1 of them
     RISE_SHARE = 0.05  # NOTE: and of the step's period: a mean that creeps up as contexts grow is no burst
@@ -102,8 +108,9 @@ class ServingExtra:
         self._depth_past: dict[tuple[bool, int, int], deque[float]] = {}  # its own after each of its last steps
         self._last_depth: dict[tuple[bool, int], int] = {}  # the depth of a cell's last step
         self._suspect: dict[tuple[bool, int, int], float] = {}  # left on a rise, not run since: the mean before
-        self._suspect_first: set[tuple[bool, int, int]] = set()  # suspect on its full past (not on `_again`)
-        self._again: dict[tuple[bool, int, int], float] = {}  # sought as suspect: the mean before, for its leaving
+        self._suspect_round: dict[tuple[bool, int, int], int] = {}  # 1: suspect on its full past, then on `_again`
+        self._again: dict[tuple[bool, int, int], tuple[float, int]] = {}  # sought as suspect: the mean before, round
+        self._due: dict[tuple[bool, int, int], int] = {}  # suspect in the last round: the cell's count it is due at
         self._depth_period: dict[tuple[bool, int, int], float] = {}  # the period of its last step
         self._regimes: dict[int, Regime] = {}  # decode steps' spell, by cell
 
@@ -130,7 +137,7 @@ class ServingExtra:
         own = (*key, depth)
         self._leave(key, depth)
         self._suspect.pop(own, None)
-        self._suspect_first.discard(own)
+        self._suspect_round.pop(own, None)
         if not self._is_recent(own):
             self._restart(own)
         count = self._depth_count[own] = self._depth_count.get(own, 0) + 1
@@ -196,22 +203,28 @@ class ServingExtra:
         again = self._again.pop(left, None)
         if not self._has_own(left) or past is None:
             return
-        full = len(past) >= self.PAST_STEPS
-        before = past[0] if full else again
-        if before is None:
+        if len(past) >= self.PAST_STEPS:
+            before, round_ = past[0], 1
+        elif again is not None:
+            before, round_ = again[0], again[1] + 1
+        else:
             return
         rise = self._depth_mean[left] - before
         if rise > self.RISE * self._standard_error(left) and rise > self.RISE_SHARE * self._depth_period[left]:
-            self._suspect[left] = before
-            if full:
-                self._suspect_first.add(left)
+            self._suspect[left], self._suspect_round[left] = before, round_
+            if round_ == self.SUSPECT_ROUNDS:
+                self._due[left] = self._count[key] + self.REVISIT_STEPS
+            else:
+                self._due.pop(left, None)
 
     def suspect(self, num_emitting: int, depth: int) -> float | None:
         """Where decode steps at this depth and these rows are priced by a mean that had risen when the depth
         was left (a burst of host load as likely as not) and it has not run since, what it added before the
-        rise; else None."""
+        rise (in the last of SUSPECT_ROUNDS, only from REVISIT_STEPS after that leaving); else None."""
         own = (False, self.bucket(num_emitting), depth)
-        return self._suspect.get(own) if self._has_own(own) else None
+        if not self._has_own(own) or self._count[own[:2]] < self._due.get(own, 0):
+            return None
+        return self._suspect.get(own)
 
     def _has_own(self, own: tuple[bool, int, int]) -> bool:
         """Whether a depth's own mean prices it: enough steps, and recent."""
@@ -286,16 +299,14 @@ class ServingExtra:
         own = (*key, depth)
         thin = self.thin(num_emitting, depth)
         self._sought[own] = self._count.get(key, 0)
-        before = self._suspect.pop(own, None)
+        before, round_ = self._suspect.pop(own, None), self._suspect_round.pop(own, 0)
         if before is not None or thin:
             self._restart(own)
             regime = self._regimes.get(key[1])
             if regime is not None:
                 regime.restart(depth)
-            # NOTE: once: a rise that outlasts two seeks is the host's new level
-            if before is not None and own in self._suspect_first:
-                self._suspect_first.discard(own)
-                self._again[own] = before
+            if before is not None and round_ < self.SUSPECT_ROUNDS:
+                self._again[own] = (before, round_)
 
     def _restart(self, own: tuple[bool, int, int]) -> None:
         """A plain mean again from the depth's next step, of what it takes now."""

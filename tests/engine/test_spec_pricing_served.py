@@ -143,6 +143,18 @@ def test_a_depth_left_on_a_burst_of_host_load_is_served_again(burst):
     assert (ran[2000:] != 1).sum() <= 4 * SEEK_STEPS
 
 
+@pytest.mark.parametrize("burst", [(2000, 200, 1.0), (2000, 250, 1.0)])
+def test_a_depth_left_on_a_burst_that_outlasts_its_seeks_is_sought_again_once_it_has_passed(burst):
+    """The same host, with a burst longer than the seeks that follow it: the second seek ran inside the burst
+    too, and depth 1 kept the burst's price, at depth 2, for ~1,000 steps after the burst had passed. Compared
+    once more REVISIT_STEPS after that seek (ServingExtra.SUSPECT_ROUNDS), it is sought again and served."""
+    spec = profiled(0.6)
+    ran = np.array(serve_one_row(spec, 5000, {d: 0.3 for d in range(K + 1)}, burst=burst))
+    after = ran[burst[0] + burst[1]:]
+    assert (after != 1).sum() <= ServingExtra.REVISIT_STEPS + 3 * SEEK_STEPS
+    assert (after[-2000:] == 1).mean() >= 0.9
+
+
 def after_a_slow_start(depth_2: float) -> Speculation:
     """A policy that drafted at depth 2 for a fresh instance's first 80 steps, while serving added 0.6 ms a step,
     and then at depth 1 for 150 steps, serving adding 0.3 (at one stream on code a fresh instance ran depth 2 for
