@@ -78,9 +78,9 @@ class ServingExtra:
     # STALE_STEPS.
     # NOTE: a rise that outlasts that second seek too is compared once more, REVISIT_STEPS after the second
     # leaving (the third of SUSPECT_ROUNDS), not at once: a burst that outlasted two back-to-back seeks is likely
-    # to outlast a third. Served at 16 streams on code, bursts of ~1 s (~50 steps, +3.5 ms on a ~19 ms step) came
-    # while a depth ran; on the tests' host a 200-step burst kept depth 1 (the best by ~9%) off for ~1,050 steps
-    # after it had passed, and with the later seek ~300-350.
+    # to outlast a third. On the tests' host a 200-step burst kept depth 1 (the best by ~9%) off for ~1,050 steps
+    # after it had passed, and with the later seek ~300-350. (The bursts traced at 16 streams on code were shorter,
+    # ~0.5 s: 16 depth-1 steps at 10-18 ms over the curves, ~5 usual; a seek outlasted them.)
     SUSPECT_ROUNDS = 3
     PAST_STEPS = 100
     RISE = 3.0  # NOTE: of the mean's own standard error: two readings of a noisy mean, each ~1 of them
