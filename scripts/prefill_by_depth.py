@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtpserve.bench.engine_adaptive import pinned_name
 from mtpserve.config import EngineConfig, SpeculativeConfig
 from mtpserve.engine.engine_core import EngineCore
 from mtpserve.engine.engine_factory import build_model_engine
@@ -40,7 +41,7 @@ def cores(model_dir: Path) -> dict[str, EngineCore]:
         core = build_model_engine(model, EngineConfig(),
                                   SpeculativeConfig(num_speculative_tokens=MAX_DEPTH, adaptive=False))
         core.speculation.forced = depth
-        built[f"k{MAX_DEPTH}@{depth}"] = core
+        built[pinned_name(MAX_DEPTH, depth)] = core  # NOTE: named as `bench engine --model-pin` names them
     return built
 
 
