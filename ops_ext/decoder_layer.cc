@@ -33,6 +33,7 @@
 //   head_panels     [V'/32, H, 32] or absent: a head over V' tokens (the LM head, or a draft vocabulary's)
 //   head_ids        [V'] int64 or absent: the vocabulary id of each head column (absent: the column)
 //   head_rows       [M] int64 or absent: the output rows the head reads (absent: every output row)
+//   key_starts      [B] int32 or absent: as mtp_paged_attention takes it (an MTP depth's keys from there on)
 // Outputs: [T or N, H], the block's output (residual stream after the MLP); [T or N, H] its final norm
 // ([0, H] without final_norm); [M] int64 the head's argmax ids ([0] without head_panels), the first
 // column of the largest logit on ties, as paddle.argmax picks; [M, V'] the head's logits ([0, 0]
@@ -193,8 +194,8 @@ std::vector<paddle::Tensor> DecoderLayer(
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv, const OptTensor& out_rows,
     const OptTensor& token_ids, const OptTensor& token_table, const OptTensor& hidden_norm,
     const OptTensor& hidden_panels, const OptTensor& final_norm, const OptTensor& head_panels,
-    const OptTensor& head_ids, const OptTensor& head_rows, int heads, float eps, int block_size,
-    bool zero_position_zero) {
+    const OptTensor& head_ids, const OptTensor& head_rows, const OptTensor& key_starts, int heads, float eps,
+    int block_size, bool zero_position_zero) {
   PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
            "x must be a float32 CPU tensor [T, H]");
   const mtp::Cache cache = mtp::CheckedCache(k_cache, v_cache, heads, block_size);
@@ -240,7 +241,7 @@ std::vector<paddle::Tensor> DecoderLayer(
   attn.resize(static_cast<size_t>(s.tokens * s.heads * s.dim));
   const mtp::AttentionBatch batch = mtp::CheckedBatch(
       qkv_out.data(), s.qkv_width, attn.data(), s.heads * s.dim, s.tokens, s.heads, k_cache, block_tables,
-      cu_seqlens_q, seq_lens_kv, positions, block_size);
+      cu_seqlens_q, seq_lens_kv, positions, block_size, key_starts);
   for (int64_t t = 0; t < s.tokens; ++t)
     PD_CHECK(batch.positions[t] >= 0 && batch.positions[t] < max_position, "position ", batch.positions[t],
              " is outside the rotary tables");
@@ -336,7 +337,7 @@ std::vector<std::vector<int64_t>> DecoderLayerShape(
     const paddle::optional<std::vector<int64_t>>& hidden_panels,
     const paddle::optional<std::vector<int64_t>>& final_norm,
     const paddle::optional<std::vector<int64_t>>& head_panels, const paddle::optional<std::vector<int64_t>>& head_ids,
-    const paddle::optional<std::vector<int64_t>>& head_rows) {
+    const paddle::optional<std::vector<int64_t>>& head_rows, const paddle::optional<std::vector<int64_t>>& key_starts) {
   const int64_t rows = out_rows ? (*out_rows)[0] : x[0];
   const int64_t picked = head_panels ? (head_rows ? (*head_rows)[0] : rows) : 0;
   const int64_t columns = head_panels ? (*head_panels)[0] * mtp::kPanelColumns : 0;
@@ -354,7 +355,7 @@ std::vector<paddle::DataType> DecoderLayerDtype(
     const paddle::optional<paddle::DataType>& token_table, const paddle::optional<paddle::DataType>& hidden_norm,
     const paddle::optional<paddle::DataType>& hidden_panels, const paddle::optional<paddle::DataType>& final_norm,
     const paddle::optional<paddle::DataType>& head_panels, const paddle::optional<paddle::DataType>& head_ids,
-    const paddle::optional<paddle::DataType>& head_rows) {
+    const paddle::optional<paddle::DataType>& head_rows, const paddle::optional<paddle::DataType>& key_starts) {
   return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32, paddle::DataType::INT64, paddle::DataType::FLOAT32};
 }
 
@@ -366,7 +367,7 @@ PD_BUILD_OP(mtp_decoder_layer)
              "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", paddle::Optional("out_rows"),
              paddle::Optional("token_ids"), paddle::Optional("token_table"), paddle::Optional("hidden_norm"),
              paddle::Optional("hidden_panels"), paddle::Optional("final_norm"), paddle::Optional("head_panels"),
-             paddle::Optional("head_ids"), paddle::Optional("head_rows")})
+             paddle::Optional("head_ids"), paddle::Optional("head_rows"), paddle::Optional("key_starts")})
     .Outputs({"out", "normed_out", "head_ids_out", "head_logits", "k_out", "v_out"})
     .SetInplaceMap({{"k_cache", "k_out"}, {"v_cache", "v_out"}})
     .Attrs({"heads: int", "eps: float", "block_size: int", "zero_position_zero: bool"})

@@ -13,6 +13,8 @@
 //   cu_seqlens_q [B+1] int32: request b owns tokens cu[b] .. cu[b+1]-1
 //   seq_lens_kv  [B] int32: keys 0 .. seq_lens_kv[b]-1 hold KV (this step's tokens included)
 //   positions    [T] int64: a token at position p sees keys 0 .. p (and only those with KV)
+//   key_starts   [B] int32, optional: request b's keys before key_starts[b] are not seen (a multiple of
+//                block_size; an MTP depth run over a prompt's last positions only wrote none before them)
 // Output: [T, H, D] float32; query head h reads KV head h / (H / KVH). Rows that see no key are 0.
 //
 // Python wrapper: mtpserve.model.attention_context.PagedContext (CPU hosts).
@@ -153,11 +155,14 @@ void mtp::PagedAttend(const AttentionBatch& a, const Cache& c) {
     const int64_t first = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - first;
     if (nq == 0) return;
     const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(a.seq_lens_kv[b], a.max_blocks * c.block_size));
+    // NOTE: at most the last whole block's start, so that the table is never read past its keys
+    const int64_t key_start =
+        a.key_starts == nullptr ? 0 : std::min<int64_t>(a.key_starts[b], num_keys / c.block_size * c.block_size);
     static const AttendGroupFn<float> attend_f32 = PickAttendGroup<float>();
     static const AttendGroupFn<uint16_t> attend_f16 = PickAttendGroup<uint16_t>();
     (c.half ? attend_f16 : attend_f32)(a.q + first * a.q_stride, a.q_stride, a.out + first * a.out_stride,
                                        a.out_stride, a.positions + first, nq, group, kvh,
-                                       a.block_tables + b * a.max_blocks, num_keys, c);
+                                       a.block_tables + b * a.max_blocks, num_keys, key_start, c);
   };
   const int64_t items = a.num_seqs * kv_heads;
   if (work < kParallelWork) {
@@ -187,7 +192,7 @@ mtp::AttentionBatch mtp::CheckedBatch(const float* q, int64_t q_stride, float* o
                                       int64_t tokens, int64_t heads, const paddle::Tensor& k_cache,
                                       const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
                                       const paddle::Tensor& seq_lens_kv, const paddle::Tensor& positions,
-                                      int block_size) {
+                                      int block_size, const paddle::optional<paddle::Tensor>& key_starts) {
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && cu_seqlens_q.dtype() == paddle::DataType::INT32 &&
                seq_lens_kv.dtype() == paddle::DataType::INT32, "tables and lengths are int32");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64, "positions are int64");
@@ -202,8 +207,16 @@ mtp::AttentionBatch mtp::CheckedBatch(const float* q, int64_t q_stride, float* o
   const int32_t* cu = cu_seqlens_q.data<int32_t>();
   for (int64_t b = 0; b < num_seqs; ++b)
     PD_CHECK(cu[b] >= 0 && cu[b] <= cu[b + 1] && cu[b + 1] <= tokens, "cu_seqlens_q out of range");
+  const int32_t* starts = nullptr;
+  if (key_starts) {
+    PD_CHECK(key_starts->dtype() == paddle::DataType::INT32 && key_starts->numel() == num_seqs,
+             "key_starts must be int32 [B]");
+    starts = key_starts->data<int32_t>();
+    for (int64_t b = 0; b < num_seqs; ++b)
+      PD_CHECK(starts[b] >= 0 && starts[b] % block_size == 0, "a key start must be a block start");
+  }
   return {q, q_stride, out, out_stride, tokens, heads, tables, num_seqs, max_blocks, cu,
-          seq_lens_kv.data<int32_t>(), positions.data<int64_t>()};
+          seq_lens_kv.data<int32_t>(), positions.data<int64_t>(), starts};
 }
 
 namespace {
@@ -211,7 +224,8 @@ namespace {
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
-                                           const paddle::Tensor& positions, int block_size) {
+                                           const paddle::Tensor& positions,
+                                           const paddle::optional<paddle::Tensor>& key_starts, int block_size) {
   PD_CHECK(q.is_cpu() && q.dtype() == paddle::DataType::FLOAT32, "mtp_paged_attention takes float32 CPU tensors");
   PD_CHECK(q.shape().size() == 3, "q must be [T, H, D]");
   const int64_t tokens = q.shape()[0], heads = q.shape()[1], dim = q.shape()[2];
@@ -220,7 +234,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const paddle::Tensor qc = q.is_contiguous() ? q : q.contiguous();
   paddle::Tensor out = paddle::empty({tokens, heads, dim}, paddle::DataType::FLOAT32, q.place());
   mtp::PagedAttend(mtp::CheckedBatch(qc.data<float>(), heads * dim, out.data<float>(), heads * dim, tokens, heads,
-                                     k_cache, block_tables, cu_seqlens_q, seq_lens_kv, positions, block_size),
+                                     k_cache, block_tables, cu_seqlens_q, seq_lens_kv, positions, block_size,
+                                     key_starts),
                    cache);
   return {out};
 }
@@ -228,21 +243,24 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
 std::vector<std::vector<int64_t>> PagedAttentionShape(
     const std::vector<int64_t>& q, const std::vector<int64_t>& k_cache, const std::vector<int64_t>& v_cache,
     const std::vector<int64_t>& block_tables, const std::vector<int64_t>& cu_seqlens_q,
-    const std::vector<int64_t>& seq_lens_kv, const std::vector<int64_t>& positions, int block_size) {
+    const std::vector<int64_t>& seq_lens_kv, const std::vector<int64_t>& positions,
+    const paddle::optional<std::vector<int64_t>>& key_starts, int block_size) {
   return {q};
 }
 
 std::vector<paddle::DataType> PagedAttentionDtype(
     const paddle::DataType& q, const paddle::DataType& k_cache, const paddle::DataType& v_cache,
     const paddle::DataType& block_tables, const paddle::DataType& cu_seqlens_q,
-    const paddle::DataType& seq_lens_kv, const paddle::DataType& positions) {
+    const paddle::DataType& seq_lens_kv, const paddle::DataType& positions,
+    const paddle::optional<paddle::DataType>& key_starts) {
   return {paddle::DataType::FLOAT32};
 }
 
 }  // namespace
 
 PD_BUILD_OP(mtp_paged_attention)
-    .Inputs({"q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", "positions"})
+    .Inputs({"q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seq_lens_kv", "positions",
+             paddle::Optional("key_starts")})
     .Outputs({"out"})
     .Attrs({"block_size: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention))

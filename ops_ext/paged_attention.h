@@ -33,6 +33,9 @@ struct AttentionBatch {
   const int32_t* cu_seqlens_q;  // [B+1]
   const int32_t* seq_lens_kv;   // [B]
   const int64_t* positions;     // [T]
+  // [B] or nullptr (0): request b's keys before key_starts[b] (a multiple of the block size) are hidden. An
+  // MTP depth over a prompt's last positions only (mtp_proposer.py) never wrote the keys before them.
+  const int32_t* key_starts;
 };
 
 // Attention of every token over its request's visible keys. Checks nothing: build the arguments with
@@ -47,7 +50,8 @@ Cache CheckedCache(const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
 AttentionBatch CheckedBatch(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t tokens,
                             int64_t heads, const paddle::Tensor& k_cache, const paddle::Tensor& block_tables,
                             const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& seq_lens_kv,
-                            const paddle::Tensor& positions, int block_size);
+                            const paddle::Tensor& positions, int block_size,
+                            const paddle::optional<paddle::Tensor>& key_starts = paddle::none);
 
 // Stores n floats at element `offset` of a cache tensor's data, rounded to float16 (to nearest, ties to
 // even, as NumPy and Paddle round) where the cache is float16.

@@ -46,8 +46,10 @@ def heldout_prompts(model_dir: Path, count: int, prompt_len: int, vocab_size: in
 def measure_model(model, model_dir: Path, batch: int, k: int, prompt_len: int, max_tokens: int,
                   rounds: int) -> dict:
     blocks = batch * ((prompt_len + max_tokens) // 16 + 4) + 16
+    # NOTE: the draft depths over a prompt's last positions, as `mtpserve serve` runs them (config/schema.py)
     sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * prompt_len),
-                            max_prefill_chunk=512, num_speculative_tokens=k, num_blocks=blocks, block_size=16)
+                            max_prefill_chunk=512, num_speculative_tokens=k, num_blocks=blocks, block_size=16,
+                            prompt_window=SpeculativeConfig().prompt_window if k else 0)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=batch, num_blocks=blocks, block_size=16,
                                                         num_speculative_tokens=k))
     # NOTE: k is the k measured: every window drafts it (the policy is measured by bench serve --launch)

@@ -20,7 +20,8 @@ class CachedKV:
     when the new request has these same tokens there; otherwise it may end a match, whose last k
     positions are recomputed anyway.
     `mtp_depths`: the MTP depths that ran over it (fewer under adaptive speculation: deeper depths left
-    gaps, which a request that matches it inherits as if it had run those steps itself).
+    gaps, which a request that matches it inherits as if it had run those steps itself); NO_MTP_KV (-1)
+    where it lay before its request's key start and no depth ran over it (prefix_cache.find).
     """
 
     lookahead: tuple[int, ...] | None

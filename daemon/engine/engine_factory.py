@@ -41,6 +41,7 @@ def core_config(model: ServingModel, engine: EngineConfig, runner: ModelRunnerCo
                             block_size=engine.block_size,
                             max_model_len=engine.max_model_len or model.config.max_position_embeddings,
                             enable_prefix_caching=engine.enable_prefix_caching,
+                            prompt_window=speculative.prompt_window if runner.num_speculative_tokens else 0,
                             cache_salt=prefix_cache.salt(engine.model, engine.dtype, runner.kv_dtype,
                                                          runner.block_size))
     eos = eos_token_ids or ((model.config.eos_token_id,) if model.config.eos_token_id is not None else ())

@@ -18,7 +18,7 @@ import paddle
 from mtpserve.config import EngineConfig
 from mtpserve.engine import rng
 from mtpserve.engine.device_stream import DeviceStream
-from mtpserve.engine.mtp_proposer import MTPProposer
+from mtpserve.engine.mtp_proposer import DraftTokens, MTPProposer, draft_tokens
 from mtpserve.engine.sampler import gather_logprobs, processed_logits
 from mtpserve.engine.slot_sampling import SlotSampling
 from mtpserve.engine.slot_state import SlotState, Window, block_rows
@@ -93,18 +93,20 @@ class PaddleModelRunner:
             plain = self._is_plain_greedy(plan.slots)
             index = win.verify_index(plan.is_prefill, plan.verify_width).reshape(-1)
             rows, spread = self._logit_rows(plan, index, plain)
-            out = self._forward(plan, win, batch, ctx, rows)
+            drafting = self.proposer is not None and plan.num_depths > 0
+            kept = draft_tokens(plan, win, self.state.key_start[plan.slots]) if drafting else None
+            out = self._forward(plan, win, batch, ctx, rows, kept)
             logits = out.logits  # [B*W, V], or [N, V] at the distinct rows when spread is not None
             v = self._decide(plan, logits, out.greedy, plain, spread)
             tokens, num_emitted, reason = self.state.finish_rows(plan, win, v.token_ids, v.num_emitted)
             logprobs = self._logprobs(plan, logits, tokens)
             self.sampling.count(plan.slots, tokens)
             drafts = None
-            drafting = time.perf_counter()
-            if self.proposer is not None and plan.num_depths:
+            proposing = time.perf_counter()
+            if self.proposer is not None and kept is not None:
                 drafts = self.proposer.propose(plan, win, batch, ctx, out.mtp_hidden, v, num_emitted,
-                                               reason, self.state)
-            timing = StepTiming(drafting - begin, time.perf_counter() - drafting)
+                                               reason, self.state, kept)
+            timing = StepTiming(proposing - begin, time.perf_counter() - proposing)
             return StepResult(plan.step_id, tokens, num_emitted, v.num_accepted, reason, win.is_valid,
                               logprobs, drafts, timing)
 
@@ -145,21 +147,27 @@ class PaddleModelRunner:
             max_q_len=int(plan.num_tokens.max()))
 
     def _forward(self, plan: StepPlan, win: Window, batch: ForwardBatch, ctx: PagedContext,
-                 rows: np.ndarray) -> StepForward:
-        """The main model with the logits at token rows `rows` (ascending, a row's repeats adjacent).
+                 rows: np.ndarray, kept: DraftTokens | None) -> StepForward:
+        """The main model with the logits at token rows `rows` (ascending, a row's repeats adjacent), and its
+        hidden at the tokens the MTP depths run over (`kept`; None: no depth runs).
 
-        NOTE: where no MTP depth runs this step, nothing reads the hidden states of rows without logits,
-        so the last block attends and runs its MLP for the distinct logit rows alone: a prompt chunk needs
-        its last position. A 256-320 token chunk step of the bundled model took ~20% less (one process)."""
+        NOTE: nothing else reads the hidden states of rows without logits, so the last block attends and runs
+        its MLP for the logit rows and the depths' tokens alone: a prompt chunk needs its last position and the
+        positions its depths run over (mtp_window.py). A 256-320 token chunk step of the bundled model took
+        ~20% less at depth 0 (one process)."""
         stage = self._staged.stage
-        if self.proposer is not None and plan.num_depths:
-            return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
+        if kept is not None:
+            if kept.tokens is None:
+                return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
+            return self.model.forward_step(batch.input_ids, batch.positions, ctx,
+                                           stage("logit_rows", np.searchsorted(kept.tokens, rows)),
+                                           stage("out_rows", kept.tokens))
         first = run_starts(rows)
-        kept = rows[first]
-        if len(kept) == len(win.token_ids):
+        distinct = rows[first]
+        if len(distinct) == len(win.token_ids):
             return self.model.forward_step(batch.input_ids, batch.positions, ctx, stage("logit_rows", rows))
         return self.model.forward_step(batch.input_ids, batch.positions, ctx,
-                                       stage("logit_rows", np.cumsum(first) - 1), stage("out_rows", kept))
+                                       stage("logit_rows", np.cumsum(first) - 1), stage("out_rows", distinct))
 
     def _logit_rows(self, plan: StepPlan, index: np.ndarray, plain: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The flat token rows to compute logits at, from the verify rows `index` [B*W]; and, when those

@@ -5,7 +5,7 @@ Pure host functions over the block manager's index (block_manager.py); the sched
   * Hash: block j's hash is BLAKE2b-128 of (block j-1's hash, block j's token ids), chained from a salt
     naming the model and the KV layout, so equal hashes mean equal token prefixes and equal weights.
   * Match (admission): the longest run of cached full blocks, never the prompt's last token (its logits
-    are needed). MTP depth i's KV at position t read the token at t+i+1, so a block's last k positions
+    are needed), and none without MTP KV past the request's key start (mtp_window.py). MTP depth i's KV at position t read the token at t+i+1, so a block's last k positions
     depend on tokens past it: a block continues a match only when the tokens its MTP KV read past its
     end (`CachedKV.lookahead`) are the new request's, and the match's last k positions are computed
     again, in a private copy of the block that holds them (the main KV there is recomputed too).
@@ -64,10 +64,14 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit((), None, 0, 1 << 30)
+# NOTE: a block before its request's key start (mtp_window.py): no depth ran over it, and unlike a depth left
+# unused (a gap, which a miss under the same policy may leave too) a miss past the requester's key start writes it
+NO_MTP_KV = -1
 
 
-def find(blocks: BlockManager, hashes: list[bytes], tokens: np.ndarray, num_mtp: int) -> PrefixHit:
-    """The reuse for a request whose prefill tokens are `tokens` [P] with full-block `hashes`."""
+def find(blocks: BlockManager, hashes: list[bytes], tokens: np.ndarray, num_mtp: int, key_start: int = 0) -> PrefixHit:
+    """The reuse for a request whose prefill tokens are `tokens` [P] with full-block `hashes`, and whose drafts
+    read the MTP KV from `key_start` on (the blocks before it count for no depth's gaps)."""
     bs = blocks.block_size
     matched: list[int] = []
     depths = 1 << 30
@@ -77,8 +81,11 @@ def find(blocks: BlockManager, hashes: list[bytes], tokens: np.ndarray, num_mtp:
         if found is None:
             break
         block, kv = found
+        if end > key_start:
+            if kv.mtp_depths == NO_MTP_KV:
+                break  # NOTE: its MTP KV was never written, where the request's drafts read it: a miss writes it
+            depths = min(depths, kv.mtp_depths)
         matched.append(block)
-        depths = min(depths, kv.mtp_depths)
         if kv.lookahead != tuple(tokens[end:end + num_mtp].tolist()):
             break  # NOTE: it may end the match: its last positions are recomputed
     if not matched:
@@ -98,11 +105,14 @@ def beyond_cache(block_index: int, block_size: int, num_prefilled: int, num_mtp:
 
 
 def cached_kv(block_index: int, block_size: int, num_prefilled: int, lookahead: np.ndarray,
-              num_mtp: int, mtp_depths: int) -> CachedKV | None:
+              num_mtp: int, mtp_depths: int, key_start: int = 0) -> CachedKV | None:
     """The CachedKV of a request's full, written block (not `beyond_cache`); None while the tokens its
     MTP KV read past its end are not all known yet (the next step's). `lookahead`: the request's tokens
-    (prompt + outputs) known past the block's end, num_mtp at most."""
+    (prompt + outputs) known past the block's end, num_mtp at most; a block before the request's `key_start`
+    holds no MTP KV (NO_MTP_KV)."""
     end = (block_index + 1) * block_size
+    if end <= key_start:
+        mtp_depths = NO_MTP_KV
     if end + num_mtp - 1 > num_prefilled and num_mtp >= 2:
         return CachedKV(None, min(mtp_depths, num_mtp))  # NOTE: a depth >= 1 read the prefill's drafts
     if lookahead.shape[0] < num_mtp:

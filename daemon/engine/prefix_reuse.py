@@ -31,7 +31,7 @@ class PrefixReuse:
             return NO_HIT
         hashes = prefix_cache.chain_hashes(request.prefill_ids, self._block_size, self._salt,
                                            request.block_hashes)
-        return prefix_cache.find(self._blocks, hashes, request.prefill_ids, self._k)
+        return prefix_cache.find(self._blocks, hashes, request.prefill_ids, self._k, request.mtp_key_start)
 
     def reuse(self, request: Request, hit: PrefixHit, block_copies: list[tuple[int, int]]) -> None:
         """Start an admitted request's table with its hit (its first admission reports it). A hit that
@@ -73,7 +73,7 @@ class PrefixReuse:
             # few steps per row, and rebuilding each request's sequence for it was half of what the cache
             # added to the host's work per step (181 us of 920 on random prompts, now 90)
             kv = prefix_cache.cached_kv(j, bs, request.num_prefill_tokens, request.tokens(end, end + k), k,
-                                        request.mtp_depth)
+                                        request.mtp_depth, request.mtp_key_start)
             if kv is None:
                 return
             known = request.block_hashes

@@ -89,6 +89,9 @@ class Request:
         self.caches_prefix = req.remote is None
         self.block_hashes: list[bytes] = []  # of its full blocks of tokens, kept across preemptions
         self.num_cached_tokens: int | None = None  # prompt tokens reused at its first admission
+        # NOTE: set at each admission (Scheduler, engine/mtp_window.py) and kept till the next: the device's copy
+        # is the slot's, and a prefill whose KV is lost and recomputed here keeps its slot
+        self.mtp_key_start = 0  # the first position whose MTP KV its drafts read
         if req.remote is not None:
             self.output_ids.append(req.remote.first_token_id)
         self._reset_progress()

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from mtpserve.config import EngineConfig
+from mtpserve.engine import mtp_window
 from mtpserve.engine.block_manager import BlockManager, blocks_for
 from mtpserve.engine.prefix_cache import PrefixHit
 from mtpserve.engine.prefix_reuse import PrefixReuse
@@ -52,6 +53,7 @@ class SchedulerConfig:
     # NOTE: the daemon turns it on ([engine] enable_prefix_caching); in-process engines opt in.
     enable_prefix_caching: bool = False
     cache_salt: bytes = b""  # the root of the block hash chains: the model and KV layout (prefix_cache.salt)
+    prompt_window: int = 0  # a prompt's last positions the MTP depths run over (engine/mtp_window.py); 0: all
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "num_blocks", "block_size")
@@ -207,6 +209,7 @@ class Scheduler:
     def _admit_waiting(self, plan: _PlanBuilder) -> None:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
+            request.mtp_key_start = self._key_start(request)
             hit = self.prefix.find(request)
             num_tokens = self._num_new_tokens(request, plan, skip=hit.num_computed)
             needed = max(request.num_kv_tokens, hit.num_computed) + num_tokens
@@ -279,6 +282,12 @@ class Scheduler:
         plan.budget -= num_tokens
 
     # ---- state changes --------------------------------------------------------------------------
+
+    def _key_start(self, request: Request) -> int:
+        """mtp_window.key_start of the positions its prefill writes: its prompt where a prefill instance sends
+        that KV (which ran its depths over the same positions, the same window), else what it prefills here."""
+        prefilled = request.prompt_ids.shape[0] if request.remote is not None else request.num_prefill_tokens
+        return mtp_window.key_start(int(prefilled), self.config.prompt_window, self.config.block_size)
 
     def _start(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -39,6 +39,7 @@ class SlotState:
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.seq_len = np.zeros(num_slots, np.int64)  # tokens with KV
+        self.key_start = np.zeros(num_slots, np.int64)  # the first position whose MTP KV its drafts read
         self.last_token = np.zeros(num_slots, np.int64)  # next window's first token
         self.drafts = np.zeros((num_slots, self.k), np.int64)  # [S, k]
         self.out_len = np.zeros(num_slots, np.int64)
@@ -60,6 +61,7 @@ class SlotState:
     def _insert(self, ins: SlotInsert) -> None:
         s = ins.slot
         self.seq_len[s] = ins.seq_len
+        self.key_start[s] = ins.key_start
         if ins.drafts is not None:
             self.last_token[s] = ins.last_token
             self.drafts[s] = _fit(ins.drafts, self.k)

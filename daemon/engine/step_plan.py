@@ -42,6 +42,7 @@ class SlotInsert:
     seq_len: int = 0  # tokens with KV already in the slot's blocks
     last_token: int = -1  # its first decode window's first token (with seq_len > 0)
     drafts: np.ndarray | None = None  # [k] int64, that window's drafts
+    key_start: int = 0  # the first position whose MTP KV its drafts read (Request.mtp_key_start)
 
     @classmethod
     def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> SlotInsert:
@@ -58,7 +59,7 @@ class SlotInsert:
                    repetition=p.repetition_penalty, max_tokens=p.max_tokens,
                    min_tokens=p.min_tokens, stop_ids=tuple(dict.fromkeys(stops)),
                    num_logprobs=-1 if p.logprobs is None else p.logprobs, seq_len=seq_len,
-                   last_token=last_token, drafts=drafts)
+                   last_token=last_token, drafts=drafts, key_start=request.mtp_key_start)
 
 
 @dataclasses.dataclass(frozen=True)

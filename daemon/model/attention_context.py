@@ -53,7 +53,8 @@ class PagedContext:
       1. `token_rows` [T]: where each flat token sits in the padded [B * max_q] query buffer;
       2. `kv_slots` [B*K] (flat; `key_shape` is [B, K]): the cache row of every key position 0..K-1 of every request
          (K = max_blocks_per_seq * block_size; unused table entries point at the scratch block);
-      3. `bias` [B, 1, 1, max_q, K] (shaped for the grouped scores once, not per layer): key j is visible to a query at position p iff j <= p and j < seq_len_kv.
+      3. `bias` [B, 1, 1, max_q, K] (shaped for the grouped scores once, not per layer): key j is visible to a query at position p iff j <= p and j < seq_len_kv
+         (and j >= its request's key start, where the batch has them).
     """
 
     def __init__(self, batch: ForwardBatch, kv: KVCache):
@@ -73,7 +74,7 @@ class PagedContext:
         self.key_shape = kv_slots.shape  # [B, K]
         self.kv_slots = kv_slots.flatten()  # [B*K]
         positions = self._pad_queries(batch.positions).reshape([self.num_seqs, self.max_q])  # [B, max_q]
-        self.bias = _paged_bias(positions, batch.seq_lens_kv, kv_slots.shape[1]).unsqueeze([1, 2])
+        self.bias = _paged_bias(positions, batch.seq_lens_kv, kv_slots.shape[1], batch.key_starts).unsqueeze([1, 2])
 
     @functools.cached_property
     def write_slots(self) -> paddle.Tensor:
@@ -87,7 +88,7 @@ class PagedContext:
             b = self.batch
             out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
                 PAGED_OP, as_dtype(q, paddle.float32), self.kv.k[layer], self.kv.v[layer], b.block_tables,
-                b.cu_seqlens_q, b.seq_lens_kv, b.positions, self.kv.block_size)
+                b.cu_seqlens_q, b.seq_lens_kv, b.positions, b.key_starts, self.kv.block_size)
             return as_dtype(out[0], q.dtype)  # [T, H, D]
         k_all, v_all = self.kv.gather(layer, self.kv_slots, self.key_shape)  # [B, K, KVH, D]
         q_pad = self._pad_queries(q).reshape([self.num_seqs, self.max_q, *q.shape[1:]])
@@ -122,8 +123,11 @@ def _kv_slots(block_tables: paddle.Tensor, block_size: int, scratch: int) -> pad
     return slots.reshape([block_tables.shape[0], -1])  # [B, M*bs]
 
 
-def _paged_bias(positions: paddle.Tensor, seq_lens_kv: paddle.Tensor, num_keys: int) -> paddle.Tensor:
+def _paged_bias(positions: paddle.Tensor, seq_lens_kv: paddle.Tensor, num_keys: int,
+                key_starts: paddle.Tensor | None = None) -> paddle.Tensor:
     keys = paddle.arange(num_keys, dtype="int64").reshape([1, 1, -1])  # [1, 1, K]
     causal = keys <= positions.unsqueeze(-1)  # [B, max_q, K]
     cached = keys < seq_lens_kv.astype("int64").reshape([-1, 1, 1])  # [B, 1, K]
+    if key_starts is not None:
+        cached = cached & (keys >= key_starts.astype("int64").reshape([-1, 1, 1]))
     return mask_to_bias(causal & cached)

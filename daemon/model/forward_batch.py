@@ -26,6 +26,9 @@ class ForwardBatch:
     # NOTE: a host int, known to the scheduler that built the batch; it sizes the padded query buffer
     # so the forward never reads a length back from the device.
     max_q_len: int
+    # NOTE: [B] int32, a multiple of the block size, or None (0): request b's keys before it are not attended
+    # to (an MTP depth's, which runs over a prompt's last positions only: engine/mtp_window.py)
+    key_starts: paddle.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

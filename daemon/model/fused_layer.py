@@ -51,6 +51,7 @@ class FusedBlocks:
         # NOTE: the batch's own slot mapping: the op skips slots of -1 (no scratch mapping needed)
         self._shared = (rotary.cos_table, rotary.signed_sin_table, b.positions, b.slot_mapping)
         self._tables = (b.block_tables, b.cu_seqlens_q, b.seq_lens_kv)
+        self._key_starts = b.key_starts
         self._kv = ctx.kv
 
     @classmethod
@@ -93,7 +94,7 @@ class FusedBlocks:
         weights, eps, heads = _weights_of(blk)
         return _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
             OP, x, *weights, *self._shared, self._kv.k[layer], self._kv.v[layer], *self._tables, out_rows,
-            *mtp_input, *head, heads, eps, self._kv.block_size, zero_position_zero)
+            *mtp_input, *head, self._key_starts, heads, eps, self._kv.block_size, zero_position_zero)
 
 
 class HeadPanels(NamedTuple):

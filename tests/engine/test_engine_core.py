@@ -242,3 +242,27 @@ def test_requests_that_can_never_run_are_refused_at_intake():
         core.add_request(EngineRequest("huge", (1, 2), greedy(max_tokens=100_000)))
     assert not core.has_unfinished_requests()
     core.close()
+
+
+@pytest.mark.parametrize("depth0_chunks,whole", [(2, True), (3, False)])
+def test_a_prompt_chunk_before_the_key_start_leaves_no_gap(depth0_chunks, whole):
+    """A 30-token prompt in chunks of 8 with a prompt window of 8 has its key start at 20: steps at depth 0 over
+    its first two chunks leave its drafts' MTP context whole (no draft reads those positions), one over its
+    third chunk (16-23) leaves a gap (Request.mtp_depth)."""
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256, max_prefill_chunk=8, num_speculative_tokens=2,
+                            num_blocks=64, block_size=4, prompt_window=8)
+    runner = SyntheticRunner(SyntheticConfig(step_time_s=0.0, acceptance_rate=0.7, vocab_size=VOCAB,
+                                             num_speculative_tokens=2, max_num_seqs=2, num_blocks=64, block_size=4))
+    core = EngineCore(CoreConfig(sched, overlap=False, eos_token_ids=(EOS,)), runner)
+    prompt = tuple(int(t) for t in np.random.default_rng(4).integers(1, VOCAB, 30))
+    core.add_request(EngineRequest("a", prompt, greedy(max_tokens=4)))
+    core.speculation.forced = 0
+    for _ in range(depth0_chunks):
+        core.step()
+    core.speculation.forced = 2
+    request = core.scheduler.get("a")
+    assert request is not None and request.mtp_key_start == 20
+    while request.is_prefilling:
+        core.step()
+    assert request.mtp_depth == (2 if whole else 0)
+    core.close()

@@ -5,11 +5,13 @@ import numpy as np
 import paddle
 import pytest
 
+from mtpserve.engine import mtp_window
 from mtpserve.engine.engine_core import CoreConfig, EngineCore
 from mtpserve.engine.model_runner import ModelRunnerConfig, PaddleModelRunner
 from mtpserve.engine.request import EngineRequest, SamplingParams
 from mtpserve.engine.scheduler import SchedulerConfig
 from mtpserve.model.attention_context import DenseCausalContext
+from mtpserve.model.attention_core import mask_to_bias, masked_attention
 from mtpserve.model.config import ModelConfig
 from mtpserve.model.mimo_model import MiMoForCausalLM
 
@@ -77,9 +79,11 @@ def drafty():
     return _MODELS["drafty"]
 
 
-def make_core(model, k=0, overlap=True, num_blocks=256, max_num_seqs=16, connector=None, adaptive=True):
+def make_core(model, k=0, overlap=True, num_blocks=256, max_num_seqs=16, connector=None, adaptive=True,
+              prompt_window=0):
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_prefill_chunk=16,
-                            num_speculative_tokens=k, num_blocks=num_blocks, block_size=8)
+                            num_speculative_tokens=k, num_blocks=num_blocks, block_size=8,
+                            prompt_window=prompt_window)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                                                         block_size=8, num_speculative_tokens=k))
     return EngineCore(CoreConfig(sched, overlap=overlap, adaptive_speculation=adaptive), runner, connector)
@@ -198,6 +202,71 @@ def test_first_draft_is_the_dense_mtp_prediction(model, k):
         checked += 1
     core.close()
     assert checked >= 3
+
+
+class KeysFrom:
+    """A dense causal context whose keys before `start` are hidden from queries at or after it (the serving
+    MTP depths' key start, engine/mtp_window.py)."""
+
+    def __init__(self, length, start):
+        q = paddle.arange(length).reshape([length, 1])
+        keys = paddle.arange(length).reshape([1, length])
+        self.bias = mask_to_bias(((keys <= q) & ((keys >= start) | (q < start))).unsqueeze(0))
+        self.length = length
+
+    def attend(self, layer, q, k, v):
+        n = self.length
+        out = masked_attention(q.reshape([1, n, *q.shape[1:]]), k.reshape([1, n, *k.shape[1:]]),
+                               v.reshape([1, n, *v.shape[1:]]), self.bias)
+        return out.reshape(q.shape)
+
+
+@pytest.mark.parametrize("window", [8, 20])
+def test_with_a_prompt_window_the_first_draft_attends_from_the_key_start(model, window):
+    """The MTP depths run over a 41-token prompt's last positions only (prefilled in three chunks of 16): the
+    drafts are what a dense recompute predicts with the MTP keys before the key start hidden, not what it
+    predicts over the whole prompt, and greedy output is plain greedy's."""
+    prompt = tuple(int(t) for t in np.random.default_rng(11).integers(1, VOCAB, 41))
+    request = EngineRequest("a", prompt, SamplingParams(temperature=0.0, max_tokens=10))
+    core = make_core(model, k=2, overlap=False, adaptive=False, prompt_window=window)
+    core.add_request(request)
+    start = mtp_window.key_start(len(prompt), window, 8)
+    assert start == (32 if window == 8 else 16)
+    tokens, checked, whole_differs = list(prompt), 0, False
+    while core.has_unfinished_requests():
+        out = core.step()
+        req = core.scheduler.get("a")
+        tokens += out.tokens_of(0).tolist() if out.request_ids else []
+        if req is None or req.is_prefilling:
+            continue
+        assert req.mtp_key_start == core.runner.state.key_start[req.slot] == start
+        _, main, _ = dense_logits(model, tokens)
+        shifted = paddle.to_tensor(np.asarray(tokens[1:] + [0], np.int64))
+        positions = paddle.arange(len(tokens), dtype="int64")
+        windowed = model.run_mtp(0, shifted, main.mtp_hidden, positions, KeysFrom(len(tokens), start))
+        assert core.runner.state.drafts[req.slot, 0] == int(np.argmax(model.compute_logits(windowed.hidden_states).numpy()[-2]))
+        whole = model.run_mtp(0, shifted, main.mtp_hidden, positions, DenseCausalContext(1, len(tokens)))
+        whole_differs |= bool(np.abs(whole.hidden_states.numpy()[-2] - windowed.hidden_states.numpy()[-2]).max() > 1e-4)
+        checked += 1
+    core.close()
+    assert checked >= 3 and whole_differs  # the hidden keys mattered: this is not the whole prompt's draft
+    ref = run(make_core(model, k=0, overlap=False), [request], batch=1)
+    assert tokens[len(prompt):] == ref["a"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_prompt_window_keeps_greedy_output(model, k):
+    """Long prompts in chunks, most before their key starts, beside decode windows that attend from theirs."""
+    gen = np.random.default_rng(5)
+    texts = [tuple(int(t) for t in gen.integers(1, VOCAB, int(gen.integers(20, 70)))) for _ in range(16)]
+    ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts), batch=1)
+    assert run(make_core(model, k=k, prompt_window=8, adaptive=False), greedy_requests(texts), batch=1) == ref
+    got = run(make_core(model, k=k, prompt_window=8, adaptive=False), greedy_requests(texts), batch=16)
+    for rid, tokens in got.items():
+        if tokens != ref[rid]:
+            first = next(i for i, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b)
+            prefix = list(texts[int(rid[1:])]) + ref[rid][:first]
+            assert top2_gap(model, prefix) < 1e-3, f"{rid} diverged at {first} without a near-tie"
 
 
 def test_preemption_with_the_model_keeps_greedy_output(model):

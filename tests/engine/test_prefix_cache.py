@@ -28,10 +28,10 @@ def shared_prefix_prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
     return out
 
 
-def model_core(model, k: int, caching: bool, num_blocks: int = 256) -> EngineCore:
+def model_core(model, k: int, caching: bool, num_blocks: int = 256, prompt_window: int = 0) -> EngineCore:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=16,
                             num_speculative_tokens=k, num_blocks=num_blocks, block_size=BLOCK,
-                            enable_prefix_caching=caching)
+                            enable_prefix_caching=caching, prompt_window=prompt_window)
     runner = PaddleModelRunner(model, ModelRunnerConfig(max_num_seqs=8, num_blocks=num_blocks,
                                                         block_size=BLOCK, num_speculative_tokens=k))
     return EngineCore(CoreConfig(sched, adaptive_speculation=False), runner)
@@ -64,16 +64,18 @@ def drafty():
     return drafty_model()
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_a_hit_gives_what_a_miss_gives(drafty, k):
+@pytest.mark.parametrize("k,window", [(0, 0), (1, 0), (2, 0), (3, 0), (1, 8), (3, 12)])
+def test_a_hit_gives_what_a_miss_gives(drafty, k, window):
+    """Outputs, logprobs and drafts alike; with a prompt window (mtp_window.py) the cached blocks before a
+    request's key start have no MTP KV, and a request whose drafts read one computes it again."""
     texts = shared_prefix_prompts(50, seed=k)
 
     def requests():
         return [EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=10, logprobs=2))
                 for i, p in enumerate(texts)]
 
-    miss = run_one_by_one(model_core(drafty, k, caching=False), requests())
-    hit = run_one_by_one(model_core(drafty, k, caching=True), requests())
+    miss = run_one_by_one(model_core(drafty, k, caching=False, prompt_window=window), requests())
+    hit = run_one_by_one(model_core(drafty, k, caching=True, prompt_window=window), requests())
     assert miss["hits"] == 0 and hit["hits"] > 30 * BLOCK  # most families reuse at least one block
     for rid, (tokens, logprobs, counts) in miss["outputs"].items():
         hit_tokens, hit_logprobs, hit_counts = hit["outputs"][rid]
@@ -206,3 +208,23 @@ def test_a_hit_leaves_the_kv_a_miss_computes_in_main_and_mtp_caches(drafty, k):
         miss = prefill_then_kv(model_core(drafty, k, caching=False), rid, prompt)
         for got, want in zip(kv[rid], miss):
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=rid)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_hit_never_reuses_a_block_without_mtp_kv_that_its_drafts_read(drafty, k):
+    """With a prompt window of 8 (mtp_window.py), A (30 tokens, key start 16) caches blocks 0 and 1 without MTP
+    KV. B (20 tokens, key start 8) shares them: its drafts read block 1, so its match ends before it, and its
+    KV is a miss's (main caches everywhere, MTP caches from its key start on)."""
+    gen = np.random.default_rng(20 + k)
+    t0, t1, t2 = (tuple(int(x) for x in gen.integers(1, VOCAB, n)) for n in (BLOCK, BLOCK, BLOCK))
+    a = t0 + t1 + t2 + (5, 6, 7, 8, 9, 10)
+    b = t0 + t1 + (9, 8, 7, 6)
+    core = model_core(drafty, k, caching=True, prompt_window=8)
+    kv = {rid: prefill_then_kv(core, rid, p) for rid, p in (("a", a), ("b", b))}
+    assert dict(core.take_prefix_hits()) == {"b": BLOCK - k}  # not 2 * BLOCK - k: block 1 has no MTP KV
+    num_main = 2 * len(core.runner.kv.k)
+    core.close()
+    miss = prefill_then_kv(model_core(drafty, k, caching=False, prompt_window=8), "b", b)
+    for i, (got, want) in enumerate(zip(kv["b"], miss)):
+        start = 0 if i < num_main else 8
+        np.testing.assert_allclose(got[start:], want[start:], atol=1e-5, err_msg=f"cache {i}")

@@ -83,7 +83,7 @@ def run_op(block: Block, step: dict, out_rows=None, slots=None, panels="float32"
             k_cache, v_cache, paddle.to_tensor(step["tables"]), paddle.to_tensor(step["cu"]),
             paddle.to_tensor(step["lens"]), None if out_rows is None else paddle.to_tensor(out_rows)]
     out = _C_ops._run_custom_op(  # pyright: ignore[reportAttributeAccessIssue]
-        fused_layer.OP, *args, None, None, None, None, None, None, None, None, block.heads, EPS, BS, False)[0]
+        fused_layer.OP, *args, None, None, None, None, None, None, None, None, None, block.heads, EPS, BS, False)[0]
     return out.numpy(), k_cache.numpy(), v_cache.numpy()
 
 

@@ -33,13 +33,14 @@ def make(seed, new_tokens, cached, heads, kv_heads, dim=8, num_blocks=40):
     return q, k_cache, v_cache, tables, cu, np.asarray(lens, np.int32), positions
 
 
-def run_op(q, k_cache, v_cache, tables, cu, lens, positions):
+def run_op(q, k_cache, v_cache, tables, cu, lens, positions, key_starts=None):
     assert cpu_op_available(PAGED_OP), "the op must be built (make install)"
     args = [paddle.to_tensor(a) for a in (q, k_cache, v_cache, tables, cu, lens, positions)]
-    return _C_ops._run_custom_op(PAGED_OP, *args, BS)[0].numpy()  # pyright: ignore[reportAttributeAccessIssue]
+    starts = None if key_starts is None else paddle.to_tensor(np.asarray(key_starts, np.int32))
+    return _C_ops._run_custom_op(PAGED_OP, *args, starts, BS)[0].numpy()  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def reference(q, k_cache, v_cache, tables, cu, lens, positions):
+def reference(q, k_cache, v_cache, tables, cu, lens, positions, key_starts=None):
     heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
     out = np.zeros_like(q, dtype=np.float64)
     for b in range(len(lens)):
@@ -47,7 +48,9 @@ def reference(q, k_cache, v_cache, tables, cu, lens, positions):
         slots = tables[b, keys // BS].astype(np.int64) * BS + keys % BS
         k, v = k_cache[slots].astype(np.float64), v_cache[slots].astype(np.float64)  # [K, KVH, D]
         for t in range(cu[b], cu[b + 1]):
-            seen = keys <= positions[t]
+            seen = (keys <= positions[t]) & (keys >= (0 if key_starts is None else key_starts[b]))
+            if not seen.any():
+                continue
             for h in range(heads):
                 kvh = h // (heads // kv_heads)
                 s = k[seen, kvh] @ q[t, h].astype(np.float64) / np.sqrt(dim)
@@ -66,6 +69,24 @@ def reference(q, k_cache, v_cache, tables, cu, lens, positions):
 def test_matches_numpy(heads, kv_heads, new_tokens, cached):
     inputs = make(len(new_tokens) * 31 + heads, new_tokens, cached, heads, kv_heads)
     np.testing.assert_allclose(run_op(*inputs), reference(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_keys_before_a_key_start_are_not_seen(heads, kv_heads):
+    """An MTP depth run over a prompt's last positions only: each request attends from its key start (a block
+    start) on, decode rows and a prompt chunk alike; a row of queries all before it sees nothing (zero)."""
+    new_tokens, cached = [1, 3, 6, 2], [21, 9, 10, 4]
+    inputs = make(5 + heads, new_tokens, cached, heads, kv_heads)
+    starts = [8, 4, 12, 0]
+    got = run_op(*inputs, key_starts=starts)
+    np.testing.assert_allclose(got, reference(*inputs, key_starts=starts), rtol=1e-5, atol=1e-5)
+    whole = run_op(*inputs)
+    assert np.abs(got[:10] - whole[:10]).max() > 1e-3  # the hidden keys mattered
+    assert got[10:].tobytes() == whole[10:].tobytes()  # a start of 0 hides nothing
+    before = run_op(*inputs, key_starts=[8, 4, 20, 0])  # the chunk's positions 10-15 are all before 20...
+    assert not before[4:10].any()  # ...but 16 = the last whole block's start caps it: none of its keys seen
+    with pytest.raises(OSError, match="block start"):  # NOTE: how Paddle raises a failed PD_CHECK
+        run_op(*inputs, key_starts=[8, 5, 12, 0])
 
 
 def test_a_requests_rows_do_not_depend_on_the_others():
