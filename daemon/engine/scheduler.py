@@ -83,6 +83,12 @@ class ScheduledRow:
     start_pos: int  # first position of a prefill chunk (decode rows: device-resident)
     emits: bool  # a decode window, or the last prefill chunk
 
+    @property
+    def before_key_start(self) -> bool:
+        """A prompt chunk that ends before its request's key start: the MTP depths run over its last position
+        alone, which no draft reads (mtp_window.py), so a depth its step does not run leaves no gap."""
+        return self.is_prefill and self.start_pos + self.num_tokens <= self.request.mtp_key_start
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockWrite:

@@ -18,7 +18,7 @@ import functools
 import numpy as np
 
 from mtpserve.engine.request import Request
-from mtpserve.engine.scheduler import SchedulePlan, ScheduledRow
+from mtpserve.engine.scheduler import SchedulePlan
 from mtpserve.engine.spec_cost import Prediction, StepCosts, StepLoad
 from mtpserve.engine.spec_extra import ServingExtra
 from mtpserve.engine.spec_hold import Hold, hold_length, same_load
@@ -98,7 +98,7 @@ class Speculation:
                 request = row.request
                 request.num_drafts = k
                 # NOTE: not min(): a call a row, ~10 us a step at 64 rows
-                if request.mtp_depth > depth and not _before_key_start(row):
+                if request.mtp_depth > depth and not row.before_key_start:
                     request.mtp_depth = depth
             self.rows_by_drafts += np.bincount(drafts, minlength=self.max_drafts + 1)
             return drafts
@@ -107,7 +107,7 @@ class Speculation:
         for row in plan.rows:  # NOTE: the load's usual step at 16-64 streams: the same, without the array's walk
             request = row.request
             request.num_drafts = 0
-            if not _before_key_start(row):
+            if not row.before_key_start:
                 request.mtp_depth = 0
         self.rows_by_drafts[0] += len(plan.rows)
         return drafts
@@ -394,9 +394,3 @@ class Speculation:
 def _is_seeded_sample(request: Request) -> bool:
     params = request.params
     return params.seed is not None and params.temperature > 0
-
-
-def _before_key_start(row: ScheduledRow) -> bool:
-    """A prompt chunk that ends before its request's key start: the depths run over its last position alone,
-    which no draft reads (mtp_window.py), so a depth it does not run leaves no gap."""
-    return row.is_prefill and row.start_pos + row.num_tokens <= row.request.mtp_key_start

@@ -127,6 +127,26 @@ def top2_gap(model, tokens):
     return float(top[1] - top[0])
 
 
+def assert_diverges_only_at_near_ties(model, texts, got, ref):
+    """Batched outputs `got` equal the batch-1 `ref` until a position whose top-2 logprobs are within 1e-3."""
+    for rid, tokens in got.items():
+        if tokens != ref[rid]:
+            first = next(i for i, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b)
+            prefix = list(texts[int(rid[1:])]) + ref[rid][:first]
+            assert top2_gap(model, prefix) < 1e-3, f"{rid} diverged at {first} without a near-tie"
+
+
+def decoding_steps(core, rid, tokens):
+    """Step `core` until it finishes, `tokens` extended by `rid`'s outputs; after each step where `rid` is past
+    its prefill, yield its Request."""
+    while core.has_unfinished_requests():
+        out = core.step()
+        req = core.scheduler.get(rid)
+        tokens += out.tokens_of(0).tolist() if out.request_ids else []
+        if req is not None and not req.is_prefilling:
+            yield req
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_greedy_equals_plain_greedy_at_batch_1(model, k):
     texts = prompts(12)
@@ -147,11 +167,7 @@ def test_batch_16_diverges_only_at_near_ties(model, k):
     texts = prompts(32, seed=2)
     ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts, 16), batch=1)
     got = run(make_core(model, k=k), greedy_requests(texts, 16), batch=16)
-    for rid, tokens in got.items():
-        if tokens != ref[rid]:
-            first = next(i for i, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b)
-            prefix = list(texts[int(rid[1:])]) + ref[rid][:first]
-            assert top2_gap(model, prefix) < 1e-3, f"{rid} diverged at {first} without a near-tie"
+    assert_diverges_only_at_near_ties(model, texts, got, ref)
 
 
 def test_penalties_apply_to_verify_rows_like_plain_decoding(model):
@@ -188,12 +204,7 @@ def test_first_draft_is_the_dense_mtp_prediction(model, k):
     core.add_request(EngineRequest("a", prompt, SamplingParams(temperature=0.0, max_tokens=10)))
     tokens = list(prompt)
     checked = 0
-    while core.has_unfinished_requests():
-        out = core.step()
-        req = core.scheduler.get("a")
-        tokens += out.tokens_of(0).tolist() if out.request_ids else []
-        if req is None or req.is_prefilling:
-            continue
+    for req in decoding_steps(core, "a", tokens):
         _, main, ctx = dense_logits(model, tokens)
         shifted = paddle.to_tensor(np.asarray(tokens[1:] + [0], np.int64))
         mtp = model.run_mtp(0, shifted, main.mtp_hidden, paddle.arange(len(tokens), dtype="int64"), ctx)
@@ -233,12 +244,7 @@ def test_with_a_prompt_window_the_first_draft_attends_from_the_key_start(model, 
     start = mtp_window.key_start(len(prompt), window, 8)
     assert start == (32 if window == 8 else 16)
     tokens, checked, whole_differs = list(prompt), 0, False
-    while core.has_unfinished_requests():
-        out = core.step()
-        req = core.scheduler.get("a")
-        tokens += out.tokens_of(0).tolist() if out.request_ids else []
-        if req is None or req.is_prefilling:
-            continue
+    for req in decoding_steps(core, "a", tokens):
         assert req.mtp_key_start == core.runner.state.key_start[req.slot] == start
         _, main, _ = dense_logits(model, tokens)
         shifted = paddle.to_tensor(np.asarray(tokens[1:] + [0], np.int64))
@@ -262,11 +268,7 @@ def test_a_prompt_window_keeps_greedy_output(model, k):
     ref = run(make_core(model, k=0, overlap=False), greedy_requests(texts), batch=1)
     assert run(make_core(model, k=k, prompt_window=8, adaptive=False), greedy_requests(texts), batch=1) == ref
     got = run(make_core(model, k=k, prompt_window=8, adaptive=False), greedy_requests(texts), batch=16)
-    for rid, tokens in got.items():
-        if tokens != ref[rid]:
-            first = next(i for i, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b)
-            prefix = list(texts[int(rid[1:])]) + ref[rid][:first]
-            assert top2_gap(model, prefix) < 1e-3, f"{rid} diverged at {first} without a near-tie"
+    assert_diverges_only_at_near_ties(model, texts, got, ref)
 
 
 def test_preemption_with_the_model_keeps_greedy_output(model):
