@@ -67,6 +67,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     first_token_id: int
     draft_token_ids: list[int]  # the k MTP drafts after the first token
     lease_deadline: float  # time.time() after which the prefill may have freed the blocks
+    # NOTE: the first position whose MTP KV the prefill wrote (a block start; None: an older prefill that did
+    # not say, derived here from this instance's window). The drafts attend from it (engine/mtp_window.py).
+    mtp_key_start: int | None = None
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -180,6 +183,7 @@ class KVHeld(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     block_ids: list[int]
     num_tokens: int  # positions with KV (the prompt length)
     lease_expires_in: float  # seconds
+    mtp_key_start: int = 0  # the first position whose MTP KV the prefill wrote (its drafts' key start)
 
 
 ToEngine = Union[AddRequest, AbortRequest, ReleaseKV, ResetPrefixCache]

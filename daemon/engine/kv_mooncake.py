@@ -63,7 +63,7 @@ def start_endpoint(pd: PdConfig, runner: PaddleModelRunner, block_size: int) -> 
 def announcer(channel: rc.RequestChannelServer) -> Callable[[KVHold], None]:
     def announce(hold: KVHold) -> None:
         channel.send(rc.KVHeld(request_id=int(hold.request_id), block_ids=list(hold.block_ids),
-                               num_tokens=hold.num_tokens,
+                               num_tokens=hold.num_tokens, mtp_key_start=hold.mtp_key_start,
                                lease_expires_in=max(0.0, hold.deadline - time.monotonic())))
 
     return announce

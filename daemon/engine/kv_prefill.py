@@ -27,6 +27,7 @@ class KVHold:
     block_ids: tuple[int, ...]
     num_tokens: int  # positions with KV (the prompt)
     deadline: float  # time.monotonic()
+    mtp_key_start: int = 0  # the first position whose MTP KV the depths wrote (Request.mtp_key_start)
 
 
 class PrefillConnector(KVConnector):
@@ -47,7 +48,7 @@ class PrefillConnector(KVConnector):
         if not request.hold_kv or reason is not FinishReason.LENGTH:
             return False
         hold = KVHold(request.request_id, tuple(request.block_ids), int(request.prompt_ids.shape[0]),
-                      time.monotonic() + self.lease_s)
+                      time.monotonic() + self.lease_s, request.mtp_key_start)
         self.holds[hold.request_id] = hold
         self._new.append(hold)
         return True

@@ -50,7 +50,8 @@ def _remote_kv(remote: rc.RemotePrefill | None) -> RemoteKV | None:
     if remote is None:
         return None
     return RemoteKV(source=remote, first_token_id=remote.first_token_id,
-                    draft_token_ids=tuple(remote.draft_token_ids), deadline=remote.lease_deadline)
+                    draft_token_ids=tuple(remote.draft_token_ids), deadline=remote.lease_deadline,
+                    mtp_key_start=remote.mtp_key_start)
 
 
 class RankLoop:

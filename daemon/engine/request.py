@@ -21,6 +21,7 @@ class RemoteKV:
     first_token_id: int
     draft_token_ids: tuple[int, ...]
     deadline: float  # time.time() after which the source may have freed its blocks
+    mtp_key_start: int | None = None  # the first position whose MTP KV the prefill wrote (None: not said)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Request:
         # NOTE: set at each admission (Scheduler, engine/mtp_window.py) and kept till the next: the device's copy
         # is the slot's, and a prefill whose KV is lost and recomputed here keeps its slot
         self.mtp_key_start = 0  # the first position whose MTP KV its drafts read
+        self.remote_key_start: int | None = None  # the prefill instance's, while its KV is the prompt's here
         if req.remote is not None:
             self.output_ids.append(req.remote.first_token_id)
         self._reset_progress()
@@ -143,6 +145,7 @@ class Request:
         self.epoch += 1
         self.num_preemptions += 1
         self.remote_start = None
+        self.remote_key_start = None
         self._reset_progress()
 
     def kv_arrived(self) -> None:
@@ -152,6 +155,7 @@ class Request:
         self.num_kv_tokens = int(self.prompt_ids.shape[0])
         self.num_prefill_scheduled = self.num_prefill_tokens
         self.remote_start = (remote.first_token_id, np.asarray(remote.draft_token_ids, np.int64))
+        self.remote_key_start = remote.mtp_key_start
         self.num_drafts = len(remote.draft_token_ids)  # the scheduler caps it at this engine's k
 
     def kv_lost(self) -> None:

@@ -290,8 +290,12 @@ class Scheduler:
     # ---- state changes --------------------------------------------------------------------------
 
     def _key_start(self, request: Request) -> int:
-        """mtp_window.key_start of the positions its prefill writes: its prompt where a prefill instance sends
-        that KV (which ran its depths over the same positions, the same window), else what it prefills here."""
+        """The prefill instance's where its KV is the prompt's here (it wrote the MTP KV from there on), else
+        mtp_window.key_start of the positions its prefill writes: its prompt where a prefill instance sends that
+        KV without saying (an older one, which ran its depths over the same window if set alike), else what it
+        prefills here."""
+        if request.remote_key_start is not None:
+            return request.remote_key_start
         prefilled = request.prompt_ids.shape[0] if request.remote is not None else request.num_prefill_tokens
         return mtp_window.key_start(int(prefilled), self.config.prompt_window, self.config.block_size)
 

@@ -2,8 +2,9 @@
 served as on a mixed instance.
 
 The params come from another instance through the router, so everything the engine would trust is
-checked here: token ids in the vocabulary, one block per `block_size` prompt tokens, and a KV layout
-that matches this engine's (same block size, buffer count and bytes per block: the same model and dtype).
+checked here: token ids in the vocabulary, one block per `block_size` prompt tokens, a KV layout that
+matches this engine's (same block size, buffer count and bytes per block: the same model and dtype), and a
+key start at a block start within the prompt (the attention kernels refuse any other).
 """
 
 from __future__ import annotations
@@ -42,17 +43,19 @@ class DecodePlan(RolePlan):
 
 
 def remote_prefill(params: KVTransferParams, ready: EngineReady, limits: RequestLimits) -> RemotePrefill:
-    """1. token ids, 2. layout against this engine's, 3. blocks against the prompt, 4. session and lease."""
+    """1. token ids, 2. layout against this engine's, 3. blocks and key start against the prompt, 4. session
+    and lease."""
     check_prompt_ids(params.prompt_token_ids, limits, f"{PARAM}.prompt_token_ids")
     _check_token_ids([params.first_token_id, *params.draft_token_ids], limits.vocab_size)
     _check_layout(params.kv_layout, ready.kv_layout)
     _check_blocks(params.block_ids, len(params.prompt_token_ids), params.kv_layout.block_size)
+    _check_key_start(params.mtp_key_start, len(params.prompt_token_ids), params.kv_layout.block_size)
     _check_session(params.kv_session)
     if not math.isfinite(params.lease_expires_in):
         raise _invalid("`lease_expires_in` must be a finite number of seconds.", "lease_expires_in")
     return RemotePrefill(kv_session=params.kv_session, kv_layout=params.kv_layout, block_ids=params.block_ids,
                          first_token_id=params.first_token_id, draft_token_ids=params.draft_token_ids,
-                         lease_deadline=time.time() + params.lease_expires_in)
+                         lease_deadline=time.time() + params.lease_expires_in, mtp_key_start=params.mtp_key_start)
 
 
 def _check_token_ids(ids: list[int], vocab_size: int) -> None:
@@ -79,6 +82,12 @@ def _check_blocks(block_ids: list[int], num_prompt_tokens: int, block_size: int)
     if len(block_ids) != needed or min(block_ids, default=0) < 0:
         raise _invalid(f"`block_ids` must be {needed} non-negative block ids for {num_prompt_tokens} prompt "
                        f"tokens (block_size {block_size}), got {len(block_ids)}.", "block_ids")
+
+
+def _check_key_start(key_start: int | None, num_prompt_tokens: int, block_size: int) -> None:
+    if key_start is not None and not (0 <= key_start < num_prompt_tokens and key_start % block_size == 0):
+        raise _invalid(f"`mtp_key_start` must be a block start (a multiple of {block_size}) before the prompt's "
+                       f"end ({num_prompt_tokens} tokens), got {key_start}.", "mtp_key_start")
 
 
 def _check_session(session: str) -> None:

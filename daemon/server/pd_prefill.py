@@ -63,4 +63,5 @@ class PrefillPlan(RolePlan):
         return {"transfer_id": held.msg.request_id, "kv_session": self._ready.kv_session,
                 "kv_layout": msgspec.to_builtins(self._ready.kv_layout), "block_ids": held.msg.block_ids,
                 "prompt_token_ids": prompt_ids, "first_token_id": first_token_id,
-                "draft_token_ids": draft_ids, "lease_expires_in": max(lease_left, 0.0)}
+                "draft_token_ids": draft_ids, "mtp_key_start": held.msg.mtp_key_start,
+                "lease_expires_in": max(lease_left, 0.0)}

@@ -30,6 +30,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     first_token_id: int
     draft_token_ids: list[int]
     lease_expires_in: float
+    mtp_key_start: int | None = None  # absent from an older prefill: the decode side derives it
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

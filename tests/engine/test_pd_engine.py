@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from mtpserve.engine import mtp_window
 from mtpserve.engine.engine_core import EngineCore
 from mtpserve.engine.kv_decode import DecodeConnector, KVFetch
 from mtpserve.engine.kv_prefill import KVHold, PrefillConnector
@@ -60,15 +61,15 @@ def params(max_tokens=MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
 
 
-def prefill_core(model, lease_s=30.0) -> tuple[EngineCore, list[KVHold]]:
+def prefill_core(model, lease_s=30.0, **options) -> tuple[EngineCore, list[KVHold]]:
     announced: list[KVHold] = []
-    return make_core(model, K, connector=PrefillConnector(lease_s, announced.append)), announced
+    return make_core(model, K, connector=PrefillConnector(lease_s, announced.append), **options), announced
 
 
-def decode_core(model) -> tuple[EngineCore, DecodeConnector, list[KVFetch]]:
+def decode_core(model, **options) -> tuple[EngineCore, DecodeConnector, list[KVFetch]]:
     reads: list[KVFetch] = []
     connector = DecodeConnector(reads.append)
-    return make_core(model, K, connector=connector), connector, reads
+    return make_core(model, K, connector=connector, **options), connector, reads
 
 
 def prefill(core, texts, announced):
@@ -227,5 +228,52 @@ def test_a_read_that_outlives_the_lease_is_abandoned_and_recomputed(model):
     drain(mixed, want)
     for rid in want:
         assert first[rid]["tokens"] + got[rid]["tokens"] == want[rid]["tokens"]
+    for core in (p_core, d_core, mixed):
+        core.close()
+
+
+def test_the_decode_side_drafts_from_the_prefills_key_start(model):
+    """A prefill instance with a prompt window (8) hands over a 45-token prompt whose MTP KV starts at a
+    block past 0; a decode instance set to whole prompts (window 0) takes that key start from the handoff,
+    and its drafts, accepted exactly as often step by step, are a mixed engine's with the prefill's window.
+    Without the field the decode side derives its own key start (0), reading MTP KV nobody wrote."""
+    text = tuple(int(t) for t in np.random.default_rng(17).integers(1, 64, 45))
+    start = mtp_window.key_start(len(text), 8, 8)
+    assert start == 32
+
+    def accepted(core, outs):
+        counts = []
+        while core.has_unfinished_requests():
+            out = core.step()
+            counts += [(int(out.num_draft_tokens[i]), int(out.num_accepted_tokens[i]))
+                       for i, rid in enumerate(out.request_ids) if out.num_tokens[i] and rid == "r0"]
+            for i, rid in enumerate(out.request_ids):
+                outs.setdefault(rid, []).extend(out.tokens_of(i).tolist())
+        return counts
+
+    fixed = {"adaptive": False, "overlap": False}  # NOTE: a step's outputs are that step's
+    mixed = make_core(model, K, prompt_window=8, **fixed)
+    mixed.add_request(EngineRequest("r0", text, params()))
+    want_tokens: dict = {}
+    want = accepted(mixed, want_tokens)[1:]  # after the first token's step, as the decode side sees them
+    (p_core, announced), (d_core, conn, fetches) = (prefill_core(model, prompt_window=8, **fixed),
+                                                    decode_core(model, prompt_window=0, **fixed))
+    first, holds = prefill(p_core, [text], announced)
+    assert holds["r0"].mtp_key_start == start
+    for said, derived in ((start, start), (None, 0)):
+        d_core.add_request(EngineRequest("r0", text, params(), remote=RemoteKV(
+            "r0", first["r0"]["tokens"][0], tuple(first["r0"]["drafts"]), time.time() + 30.0, mtp_key_start=said)))
+        d_core.idle()
+        fetch = fetches.pop()
+        copy_blocks(p_core, holds["r0"].block_ids, d_core, fetch.block_ids)
+        conn.fetched(fetch.request_id, ok=True)
+        d_core.step()
+        request = d_core.scheduler.get("r0")
+        assert request.mtp_key_start == d_core.runner.state.key_start[request.slot] == derived
+        got: dict = {}
+        counts = accepted(d_core, got)
+        assert first["r0"]["tokens"] + got["r0"] == want_tokens["r0"]
+        if said is not None:
+            assert counts == want[1:] and sum(n for _, n in counts) > 0
     for core in (p_core, d_core, mixed):
         core.close()

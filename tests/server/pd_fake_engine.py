@@ -118,11 +118,16 @@ class PdFakeEngine(FakeEngine):
         self._next_block += len(blocks)
         self.held[req.add.request_id] = blocks
         msg = KVHeld(request_id=req.add.request_id, block_ids=blocks, num_tokens=num_tokens,
-                     lease_expires_in=LEASE_S)
+                     lease_expires_in=LEASE_S, mtp_key_start=fake_key_start(num_tokens))
         if self.held_after_frame:
             asyncio.get_running_loop().call_later(0.05, self.server.send, msg)
         else:
             self.server.send(msg)
+
+
+def fake_key_start(num_tokens: int) -> int:
+    """The fake prefill's key start: its prompt's last block (as a one-position window has it)."""
+    return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def fake_args(vocab_size: int, k: int = 2, step_ms: float = 2.0) -> argparse.Namespace:

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from mtpserve.engine import mtp_window
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import Daemon, model_available  # noqa: E402
 from server_harness import read_events  # noqa: E402
@@ -77,6 +79,23 @@ async def test_completion_continues_on_decode_and_release_frees_the_kv(pair):
             assert await resp.json() == {"released": 1}
     while await held(prefill) > 0:
         assert time.monotonic() < deadline + 5
+
+
+async def test_a_long_prompt_hands_over_its_key_start(pair):
+    """The prefill's drafts ran over the prompt's last 64 positions (the default window): its params say
+    where that MTP KV starts, and the decode instance continues from it to the mixed text."""
+    prefill, decode = pair
+    body = {"prompt": PROMPT * 40, "max_tokens": 12, "temperature": 0}
+    first = await call(prefill, "/v1/completions", body)
+    params = first.pop("kv_transfer_params")
+    block = params["kv_layout"]["block_size"]
+    assert params["mtp_key_start"] == mtp_window.key_start(len(params["prompt_token_ids"]), 64, block) > 0
+    rest = await call(decode, "/v1/completions", {**body, "kv_transfer_params": params})
+    whole = await call(decode, "/v1/completions", body)
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == whole["choices"][0]["text"]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(prefill + "/v1/pd/release", json={"transfer_ids": [params["transfer_id"]]}) as resp:
+            assert await resp.json() == {"released": 1}
 
 
 async def test_chat_stream_continues_without_a_role_chunk(pair):

@@ -55,6 +55,7 @@ async def test_completion_stream_continues_after_the_first_token(pd):
     assert add.prompt_token_ids == params["prompt_token_ids"] and add.sampling.max_tokens == 8
     assert (remote.kv_session, remote.block_ids, remote.first_token_id, remote.draft_token_ids) == (
         KV_SESSION, params["block_ids"], params["first_token_id"], params["draft_token_ids"])
+    assert remote.mtp_key_start == params["mtp_key_start"] is not None  # the prefill's, as it said
     assert remote.kv_layout == KV_LAYOUT
     assert abs(remote.lease_deadline - (sent_at + params["lease_expires_in"])) < 2.0
 
@@ -128,6 +129,10 @@ def spoiled(text_model, **changes) -> dict:
     ({"first_token_id": 10**6}, "kv_transfer_params.first_token_id"),
     ({"prompt_token_ids": []}, "kv_transfer_params.prompt_token_ids"),
     ({"kv_session": "nohost"}, "kv_transfer_params.kv_session"),
+    ({"mtp_key_start": "x"}, "kv_transfer_params.mtp_key_start"),
+    ({"mtp_key_start": 3}, "kv_transfer_params.mtp_key_start"),  # not a block start: the kernels refuse it
+    ({"mtp_key_start": -BLOCK_SIZE}, "kv_transfer_params.mtp_key_start"),
+    ({"mtp_key_start": 10**6 * BLOCK_SIZE}, "kv_transfer_params.mtp_key_start"),  # past the prompt
 ])
 async def test_malformed_params_are_400(tmp_path, text_model, changes, param):
     async with pd_instance(tmp_path, text_model, "decode") as decode:

@@ -11,7 +11,7 @@ from multidict import CIMultiDictProxy
 import pytest
 
 from mtpserve.ipc.request_channel import AddRequest
-from pd_fake_engine import KV_LAYOUT, KV_SESSION, LEASE_S
+from pd_fake_engine import KV_LAYOUT, KV_SESSION, LEASE_S, fake_key_start
 from pd_harness import pd_instance, until
 from server_harness import MODEL_NAME, read_events
 
@@ -59,6 +59,7 @@ def check_params(params: dict, engine, prompt_ids: list[int]) -> None:
     assert params["prompt_token_ids"] == prompt_ids
     assert params["first_token_id"] == prompt_ids[0]  # the fake generates the prompt again
     assert params["draft_token_ids"] == prompt_ids[1:3]  # k = 2 drafts: the next ones
+    assert params["mtp_key_start"] == fake_key_start(len(prompt_ids))  # the engine's KVHeld says it
     assert 0 < params["lease_expires_in"] <= LEASE_S
 
 
