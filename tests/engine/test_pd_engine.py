@@ -267,10 +267,10 @@ def test_the_decode_side_drafts_from_the_prefills_key_start(model):
         fetch = fetches.pop()
         copy_blocks(p_core, holds["r0"].block_ids, d_core, fetch.block_ids)
         conn.fetched(fetch.request_id, ok=True)
-        d_core.step()
+        out = d_core.step()  # the first window: the request is in its slot now
         request = d_core.scheduler.get("r0")
         assert request.mtp_key_start == d_core.runner.state.key_start[request.slot] == derived
-        got: dict = {}
+        got = {"r0": out.tokens_of(0).tolist()}
         counts = accepted(d_core, got)
         assert first["r0"]["tokens"] + got["r0"] == want_tokens["r0"]
         if said is not None:
