@@ -269,7 +269,7 @@ def test_the_decode_side_drafts_from_the_prefills_key_start(model):
         conn.fetched(fetch.request_id, ok=True)
         out = d_core.step()  # the first window: the request is in its slot now
         request = d_core.scheduler.get("r0")
-        assert request.mtp_key_start == d_core.runner.state.key_start[request.slot] == derived
+        assert request is not None and request.mtp_key_start == d_core.runner.state.key_start[request.slot] == derived
         got = {"r0": out.tokens_of(0).tolist()}
         counts = accepted(d_core, got)
         assert first["r0"]["tokens"] + got["r0"] == want_tokens["r0"]
