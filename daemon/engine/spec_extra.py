@@ -85,15 +85,19 @@ class ServingExtra:
     PAST_STEPS = 100
     RISE = 3.0  # NOTE: of the mean's own standard error: two readings of a noisy mean, each ~1 of them
     RISE_SHARE = 0.05  # NOTE: and of the step's period: a mean that creeps up as contexts grow is no burst
-    # NOTE: a depth priced by fewer than THIN_STEPS settled steps of its own spells (spec_regime.Regime.settled),
-    # whose last step here was more than REVISIT_STEPS of the cell's steps ago, is `thin`: the policy runs it
-    # again for a seek's steps where it is close to the depth in use (spec_seek.py). At one stream on code a fresh
-    # instance ran depth 2 for its first 1.6 s, when its steps were slow (1.85 ms over the curves in a 53-step
-    # spell), then depth 1; that price held depth 2 off (with its doubt and the margin) until it went stale,
-    # 1,049 steps and 6.3 s of depth 1, whose steps emitted ~13% fewer tokens a ms than depth 2's. The seek prices
-    # it afresh (`seek`), once in STALE_STEPS: a depth still not taken on its new price is close to the best, and
-    # each seek costs its steps.
-    THIN_STEPS = 64
+    # NOTE: a depth priced by a mean of its own whose last step here was more than REVISIT_STEPS of the cell's
+    # steps ago is `aged`: the policy runs it again for a seek's steps where it is close to the depth in use
+    # (spec_seek.py). At one stream on code a fresh instance ran depth 2 for its first 1.6 s, when its steps were
+    # slow (1.85 ms over the curves in a 53-step spell), then depth 1; that price held depth 2 off (with its doubt
+    # and the margin) until it went stale, 1,049 steps and 6.3 s of depth 1, whose steps emitted ~13% fewer tokens
+    # a ms than depth 2's. The seek prices it afresh (`seek`), once in STALE_STEPS: a depth still not taken on its
+    # new price is close to the best, and each seek costs its steps.
+    # NOTE: however many steps the old price rests on: it is of another moment of the host. Renewed only where it
+    # rested on fewer than 64 settled steps, at one stream on code (a traced instance, the host twice as fast as a
+    # day before and moving by ~15% of a step within a second) depth 1 was sought and then kept for 496 and 257
+    # steps on serving's fresh 0.41 ms against depth 2's 1.25 and depth 3's 1.43, learnt in long spells seconds
+    # before; depth 1's steps emitted 9% fewer tokens a ms than either, and 26% of the visit's rows drafted one
+    # token. A seek of depth 2 then priced it at 0.34-0.44 ms, and the policy kept it.
     REVISIT_STEPS = 250
 
     def __init__(self) -> None:
@@ -277,14 +281,12 @@ class ServingExtra:
         sought = self._sought.get((*key, depth))
         return sought is None or self._count[key] - sought > self.STALE_STEPS
 
-    def thin(self, num_emitting: int, depth: int) -> bool:
-        """Whether decode steps at this depth and these rows are priced by a mean of their own that rests on fewer
-        than THIN_STEPS settled steps, that its steps last renewed more than REVISIT_STEPS of the cell's steps ago,
-        and that no seek renewed in the last STALE_STEPS."""
+    def aged(self, num_emitting: int, depth: int) -> bool:
+        """Whether decode steps at this depth and these rows are priced by a mean of their own that its steps last
+        renewed more than REVISIT_STEPS of the cell's steps ago, and that no seek renewed in the last STALE_STEPS."""
         key = (False, self.bucket(num_emitting))
         own = (*key, depth)
-        regime = self._regimes.get(key[1])
-        if not self._has_own(own) or regime is None or regime.settled_steps(depth) >= self.THIN_STEPS:
+        if not self._has_own(own) or key[1] not in self._regimes:
             return False
         sought = self._sought.get(own)
         if sought is not None and self._count[key] - sought <= self.STALE_STEPS:
@@ -293,14 +295,14 @@ class ServingExtra:
 
     def seek(self, num_emitting: int, depth: int) -> None:
         """The policy runs this depth's decode steps at these rows to give it a mean of its own (afresh, if
-        it is suspect or `thin`: a price from another moment of the host, which a seek's few steps would only
+        it is suspect or `aged`: a price from another moment of the host, which a seek's few steps would only
         dilute)."""
         key = (False, self.bucket(num_emitting))
         own = (*key, depth)
-        thin = self.thin(num_emitting, depth)
+        aged = self.aged(num_emitting, depth)
         self._sought[own] = self._count.get(key, 0)
         before, round_ = self._suspect.pop(own, None), self._suspect_round.pop(own, 0)
-        if before is not None or thin:
+        if before is not None or aged:
             self._restart(own)
             regime = self._regimes.get(key[1])
             if regime is not None:

@@ -46,7 +46,7 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
     priced seconds by depth, and what serving adds in them), the chosen `depth` having been chosen over `was`:
     the chosen depth itself if it was switched to on a price the spell's depth lent it (ServingExtra.lender);
     else a depth next to it, within PRICE_BAND of it, if its price is borrowed from it (ServingExtra.borrowed)
-    or rests on a few steps from a while ago (ServingExtra.thin), or if it was left on a rise and is within the
+    or rests on steps from a while ago (ServingExtra.aged), or if it was left on a rise and is within the
     band at what serving added to it before the rise (ServingExtra.suspect), the deeper first; None if none is.
 
     NOTE: the chosen depth, because a lent price goes when the spell turns to the depth, and its own mean from a
@@ -57,7 +57,7 @@ def depth_to_price(extra: ServingExtra, rates: dict[int, float], depth: int, num
         return depth
     for other in (depth + 1, depth - 1):
         if worth_pricing(rates, depth, PRICE_BAND, other) and (
-                extra.borrowed(num_emitting, other, depth) or extra.thin(num_emitting, other)):
+                extra.borrowed(num_emitting, other, depth) or extra.aged(num_emitting, other)):
             return other
     for other in (depth + 1, depth - 1):
         before = extra.suspect(num_emitting, other)

@@ -155,27 +155,29 @@ def test_a_depth_left_on_a_burst_that_outlasts_its_seeks_is_sought_again_once_it
     assert (after[-2000:] == 1).mean() >= 0.9
 
 
-def after_a_slow_start(depth_2: float) -> Speculation:
-    """A policy that drafted at depth 2 for a fresh instance's first 80 steps, while serving added 0.6 ms a step,
+def after_a_slow_start(depth_2: float, slow_steps: int = 80) -> Speculation:
+    """A policy that drafted at depth 2 for a fresh instance's first `slow_steps` steps, while serving added 0.6 ms a step,
     and then at depth 1 for 150 steps, serving adding 0.3 (at one stream on code a fresh instance ran depth 2 for
     1.6 s and then depth 1; its first steps are slow). Short windows (32 tokens of KV); drafts accepted 90% at
     depth 1, `depth_2` at depth 2, 10% at depth 3 (out of the band: never run)."""
     spec = profiled(0.9)
     accepted = 1000.0 * np.array([0.9, depth_2, 0.1])
     spec.instance.whole.accepted[:] = spec.requests.accepted[0] = accepted
-    for depth, steps, added in ((2, 80, 0.6), (1, 150, 0.3)):
+    for depth, steps, added in ((2, slow_steps, 0.6), (1, 150, 0.3)):
         spec.forced = depth
         serve_one_row(spec, steps, {d: added for d in range(K + 1)}, kv=32)
     spec.forced = None
     return spec
 
 
-def test_a_depth_priced_by_a_short_spell_long_ago_is_run_again_and_priced_afresh():
-    """Depth 2 serves 15% more than depth 1 here, but priced by its slow start's 48 settled steps it looks 4%
+@pytest.mark.parametrize("slow_steps", [80, 400])
+def test_a_depth_priced_by_a_spell_long_ago_is_run_again_and_priced_afresh(slow_steps):
+    """Depth 2 serves 15% more than depth 1 here, but priced by its slow start's settled steps it looks 4%
     worse, and it kept that price until it went stale: ~800 more steps of depth 1, and a seek's steps then only
-    moved its mean part of the way (~1,000 more). A thin price that old (ServingExtra.thin) is renewed by a seek
-    REVISIT_STEPS after its last step, afresh, and the policy serves depth 2."""
-    spec = after_a_slow_start(0.9)
+    moved its mean part of the way (~1,000 more). A price that old (ServingExtra.aged) is renewed by a seek
+    REVISIT_STEPS after its last step, afresh, and the policy serves depth 2: whether the slow spell was short
+    (48 settled steps) or long (368: the price rested on many steps, but of another moment of the host)."""
+    spec = after_a_slow_start(0.9, slow_steps)
     ran = serve_one_row(spec, 1500, {d: 0.3 for d in range(K + 1)}, kv=32, noise_ms=0.15)
     first = ran.index(2)
     assert first <= ServingExtra.REVISIT_STEPS - 150 + MAX_HOLD_STEPS  # its last step was 150 steps ago
@@ -185,10 +187,11 @@ def test_a_depth_priced_by_a_short_spell_long_ago_is_run_again_and_priced_afresh
     assert ran[-1000:].count(2) >= 0.9 * 1000
 
 
-def test_a_thin_price_is_renewed_once_in_a_while_where_the_depth_is_no_better():
-    """Where depth 2 serves ~2% less than depth 1 (within the band, and not taken), its thin price is renewed by
+@pytest.mark.parametrize("slow_steps", [80, 400])
+def test_an_aged_price_is_renewed_once_in_a_while_where_the_depth_is_no_better(slow_steps):
+    """Where depth 2 serves ~2% less than depth 1 (within the band, and not taken), its aged price is renewed by
     one seek, and then not again until it goes stale: the steps that price it are at most two seeks in 1,500."""
-    spec = after_a_slow_start(0.45)
+    spec = after_a_slow_start(0.45, slow_steps)
     ran = serve_one_row(spec, 1500, {d: 0.3 for d in range(K + 1)}, kv=32, noise_ms=0.15)
     assert SEEK_STEPS <= ran.count(2) <= 2 * SEEK_STEPS
 
@@ -310,4 +313,6 @@ def test_a_depth_switched_to_on_a_lent_price_is_run_until_it_has_a_settled_one(a
     fixed = [serve_slowed(profiled(acceptance), 3000, slow_ms, 3000, 0.0, pinned=depth)[1] for depth in range(K + 1)]
     ran, served = serve_slowed(profiled(acceptance), 3000, slow_ms, first=200, power=0.0)
     assert served >= 0.98 * max(fixed)
-    assert (np.diff(ran) != 0).sum() <= 12
+    # NOTE: going back and forth every ~24 steps was >100 switches; an aged price's seeks (ServingExtra.aged) add a
+    # trip or two in 3,000 steps
+    assert (np.diff(ran) != 0).sum() <= 16
