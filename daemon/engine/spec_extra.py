@@ -286,7 +286,7 @@ class ServingExtra:
         renewed more than REVISIT_STEPS of the cell's steps ago, and that no seek renewed in the last STALE_STEPS."""
         key = (False, self.bucket(num_emitting))
         own = (*key, depth)
-        if not self._has_own(own) or key[1] not in self._regimes:
+        if not self._has_own(own):
             return False
         sought = self._sought.get(own)
         if sought is not None and self._count[key] - sought <= self.STALE_STEPS:
